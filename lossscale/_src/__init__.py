@@ -1,0 +1,1 @@
+"""Private implementation of lossscale: import from `lossscale` instead."""

@@ -1,0 +1,52 @@
+"""Scalars for logging the loss-scale state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._src import loss_scale as loss_scale_lib
+
+
+def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
+    """Returns a dict of scalar arrays describing the loss-scale state, for logging.
+
+    Usable inside `jax.jit`: the values are arrays, nothing is copied to the host.
+
+    Args:
+      opt_state_or_loss_scale: a loss-scale state, or an optimizer state (any
+        pytree) holding exactly one.
+
+    Returns:
+      A dict with the same keys for every kind of loss scale:
+
+      * `loss_scale`: float32, the current scale;
+      * `skipped_steps`: int32, non-finite (skipped) steps in total;
+      * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
+      * `last_finite`: bool, whether the latest step was applied.
+
+    Raises:
+      ValueError: if no loss-scale state, or more than one, is found.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import lossscale
+      >>> opt_state = lossscale.wrap(optax.sgd(0.1)).init(jnp.zeros(3))
+      >>> for name, value in lossscale.metrics(opt_state).items():
+      ...     print(name, value)
+      loss_scale 32768.0
+      skipped_steps 0
+      consecutive_skips 0
+      last_finite True
+    """
+    state = loss_scale_lib.get_loss_scale(opt_state_or_loss_scale)
+    return {
+        "loss_scale": state.scale,
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        # Derived, not stored: the latest step was applied iff no skip is pending.
+        "last_finite": state.consecutive_skips == jnp.zeros([], jnp.int32),
+    }

@@ -1,0 +1,272 @@
+"""Scaling the loss, unscaling gradients, checking finiteness, selecting trees."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._src import loss_scale as loss_scale_lib
+
+
+def scale_loss(loss: jax.typing.ArrayLike, loss_scale: Any) -> jax.Array:
+    """Returns the loss multiplied by the loss scale.
+
+    Differentiate the result: the gradients come out multiplied by the scale, which
+    keeps small float16 gradients from underflowing. A float16 or bfloat16 loss is
+    promoted to float32 first, so the scaled loss itself cannot overflow (gradients
+    flowing back into float16 computations still can; that is what the dynamic
+    scale detects).
+
+    Args:
+      loss: the loss, a floating-point scalar.
+      loss_scale: a loss-scale state, a number, `"dynamic"`, `None`, or an
+        optimizer state holding a loss-scale state (e.g. that of `lossscale.wrap`).
+
+    Returns:
+      `loss * scale`, in float32 (or in the loss's dtype if wider).
+
+    Raises:
+      TypeError: if `loss` is not a floating-point array or `loss_scale` is not
+        one of the above.
+      ValueError: if `loss` is not a scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> scaled = lossscale.scale_loss(jnp.float16(0.5), 1024)
+      >>> print(scaled, scaled.dtype)
+      512.0 float32
+    """
+    state = loss_scale_lib.resolve_loss_scale(loss_scale)
+    loss = _check_loss(loss)
+    loss = loss.astype(_at_least_float32(loss.dtype))
+    if isinstance(state, loss_scale_lib.NoOpLossScale):
+        return loss
+    return loss * state.scale.astype(loss.dtype)
+
+
+def unscale_grads(grads: Any, loss_scale: Any) -> Any:
+    """Divides every gradient by the loss scale, keeping each leaf's dtype.
+
+    Each leaf is multiplied by `1 / scale` (computed in float32, as TF does) in
+    float32 or wider, and rounded once to the leaf's dtype. For a power-of-two
+    scale (the dynamic scale's defaults keep it one) this is exactly the quotient.
+    `None` leaves pass through. Keep parameters, and hence gradients, in float32:
+    unscaling into a float16 leaf loses again what scaling kept from underflowing.
+
+    Args:
+      grads: a pytree of floating-point gradients of the scaled loss.
+      loss_scale: a loss-scale state, a number, `"dynamic"`, `None`, or an
+        optimizer state holding a loss-scale state.
+
+    Returns:
+      The gradients divided by the scale, same tree and dtypes.
+
+    Raises:
+      TypeError: if a gradient leaf is not floating point (or complex).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> grads = {"w": jnp.array([1024.0, 2048.0]), "b": None}
+      >>> print(lossscale.unscale_grads(grads, 1024)["w"])
+      [1. 2.]
+    """
+    state = loss_scale_lib.resolve_loss_scale(loss_scale)
+    check_gradients(grads)
+    if isinstance(state, loss_scale_lib.NoOpLossScale):
+        return grads
+    inverse_scale = _inverse(state.scale)
+    return jax.tree.map(lambda g: _unscale_leaf(g, inverse_scale), grads)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Returns True when every element of every leaf of `tree` is finite.
+
+    One reduction per leaf, reading each leaf once: `sum(x - x)` is 0 when `x` is
+    finite and NaN otherwise, and unlike a plain sum it cannot overflow (where
+    `jnp.all(jnp.isfinite(x))` makes XLA:CPU write a byte per element first).
+    Integer and boolean leaves are always finite; `None` leaves are ignored.
+
+    Args:
+      tree: any pytree of arrays.
+
+    Returns:
+      A boolean scalar array.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> print(lossscale.all_finite({"a": jnp.ones(3), "b": jnp.float16(2.0)}))
+      True
+      >>> print(lossscale.all_finite({"a": jnp.ones(3), "b": jnp.array(jnp.nan)}))
+      False
+    """
+    return _all_finite_leaves(jax.tree.leaves(tree))
+
+
+def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
+    """Picks `on_true` or `on_false`, leaf by leaf, by a scalar predicate.
+
+    Both trees must have the same structure, shapes and dtypes. Inside `jax.jit`
+    this is an elementwise select over every leaf; prefer `jax.lax.cond` when the
+    trees are large and the alternative is just to keep the old values (as
+    `lossscale.wrap` does).
+
+    Args:
+      pred: boolean scalar.
+      on_true: the tree returned where `pred` is True.
+      on_false: the tree returned where `pred` is False.
+
+    Returns:
+      A tree like `on_true`.
+
+    Raises:
+      TypeError: if `pred` is not boolean, or leaves differ in dtype.
+      ValueError: if `pred` is not a scalar, or the trees differ in structure or
+        leaf shapes.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> new, old = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([0.0, 0.0])}
+      >>> print(lossscale.select_tree(jnp.array(False), new, old)["w"])
+      [0. 0.]
+    """
+    pred = loss_scale_lib.as_predicate("pred", pred)
+    true_leaves, true_def = jax.tree.flatten(on_true)
+    false_leaves, false_def = jax.tree.flatten(on_false)
+    if true_def != false_def:
+        raise ValueError(
+            "`on_true` and `on_false` must have the same tree structure, got"
+            f" {true_def} and {false_def}."
+        )
+    for index, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if a.shape != b.shape:
+            raise ValueError(
+                f"`select_tree`: leaf {index} has shape {a.shape} in `on_true` but"
+                f" {b.shape} in `on_false`."
+            )
+        if a.dtype != b.dtype:
+            raise TypeError(
+                f"`select_tree`: leaf {index} has dtype {a.dtype} in `on_true` but"
+                f" {b.dtype} in `on_false`."
+            )
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+# -- shared with the optax wrapper ------------------------------------------------
+
+
+def check_gradients(grads: Any, params: Any = None) -> None:
+    """Raises a clear error for non-float gradient leaves or mismatched trees."""
+    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
+    for path, leaf in paths_and_leaves:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            where = jax.tree_util.keystr(path) or "<root>"
+            raise TypeError(
+                f"Gradients must be floating-point arrays; the leaf at {where} has"
+                f" dtype {dtype} ({type(leaf).__name__}). Differentiate with respect"
+                " to floating-point parameters only."
+            )
+    if params is not None:
+        # None marks a masked-out leaf in optax: compare structures up to it.
+        def is_none(x):
+            return x is None
+
+        grads_def = jax.tree.structure(grads, is_leaf=is_none)
+        params_def = jax.tree.structure(params, is_leaf=is_none)
+        if grads_def != params_def:
+            raise ValueError(
+                "The gradients and `params` must have the same tree structure, got"
+                f" {grads_def} and {params_def}."
+            )
+
+
+def finite_after_unscale(grads: Any, state: loss_scale_lib.LossScale) -> jax.Array:
+    """Whether `unscale_grads(grads, state)` is finite, in one pass over `grads`.
+
+    Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
+    they are. Below 1 the division can overflow a narrow leaf (a float16 gradient
+    of 40000 under a scale of 0.5), so the check reduces the unscaled values, which
+    XLA fuses into the same reduction pass.
+    """
+    leaves = jax.tree.leaves(grads)
+    if state._lowest_scale < 1.0:
+        inverse_scale = _inverse(state.scale)
+        leaves = [_unscaled_or_inf(g, inverse_scale) for g in leaves]
+    return _all_finite_leaves(leaves)
+
+
+def _unscaled_or_inf(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
+    """The unscaled leaf in float32 or wider, inf where `grad`'s dtype overflows."""
+    wide = _at_least_float32(grad.dtype)
+    value = grad.astype(wide) * inverse_scale.astype(wide)
+    if wide == grad.dtype:
+        return value
+    # Compare with the rounding threshold instead of casting down and back up:
+    # XLA:GPU removes such a round trip (it allows excess precision), which hid
+    # the overflow. Values at or above max + ulp/2 round to inf.
+    finfo = jnp.finfo(grad.dtype)
+    top_ulp = 2.0 ** (finfo.maxexp - 1) * float(finfo.eps)
+    threshold = jnp.asarray(float(finfo.max) + top_ulp / 2, wide)
+    return jnp.where(jnp.abs(value) < threshold, value, jnp.asarray(jnp.inf, wide))
+
+
+def _all_finite_leaves(leaves: list[Any]) -> jax.Array:
+    checks = []
+    for leaf in leaves:
+        leaf = jnp.asarray(leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            continue
+        # `w - w` is 0 where `w` is finite and NaN elsewhere, and a sum of zeros
+        # cannot overflow. Unlike `x * 0` it has no broadcast constant, which
+        # XLA:CPU's reduction fusion would materialise as a whole array; widening
+        # 16-bit floats first lets that fusion take the convert too.
+        wide = leaf.astype(_at_least_float32(leaf.dtype))
+        checks.append(jnp.isfinite(jnp.sum(wide - wide)))
+    return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
+
+
+def _unscale_leaf(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
+    wide = _at_least_float32(grad.dtype)
+    return (grad.astype(wide) * inverse_scale.astype(wide)).astype(grad.dtype)
+
+
+def _at_least_float32(dtype) -> jnp.dtype:
+    # Explicit, so it also holds under `jax_numpy_dtype_promotion="strict"`.
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
+
+
+def _inverse(scale: jax.Array) -> jax.Array:
+    # A multiply by the reciprocal, not a division: XLA duplicates a cheap multiply
+    # into every consumer (Adam's two moments), but materialises a divide as a pass
+    # of its own. For power-of-two scales the two are bit-identical.
+    return jnp.ones([], jnp.float32) / scale
+
+
+def _check_loss(loss: Any) -> jax.Array:
+    dtype = getattr(loss, "dtype", None)
+    if dtype is None:
+        if isinstance(loss, float):
+            return jnp.asarray(loss, jnp.float32)
+        raise TypeError(
+            f"`loss` must be a floating-point scalar array, got {type(loss).__name__}."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`loss` must be floating point, got dtype {dtype}. Gradients of an"
+            " integer loss are zero; compute the loss in floating point."
+        )
+    if getattr(loss, "shape", ()) != ():
+        raise ValueError(
+            f"`loss` must be a scalar, got shape {tuple(loss.shape)}. Reduce it"
+            " first, e.g. with `jnp.mean`."
+        )
+    return jnp.asarray(loss)

@@ -1,0 +1,168 @@
+"""The optax wrapper: unscale, check, skip non-finite steps, update the scale."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import scaling
+
+
+class WrapState(NamedTuple):
+    """State of the `optax.GradientTransformationExtraArgs` returned by `wrap`.
+
+    Attributes:
+      loss_scale: the loss-scale state (a `LossScale` pytree of scalar arrays).
+      inner_state: the wrapped transformation's state; unchanged, bit for bit, by a
+        skipped step.
+    """
+
+    loss_scale: loss_scale_lib.LossScale
+    inner_state: optax.OptState
+
+
+def wrap(
+    inner: optax.GradientTransformation,
+    loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation with loss scaling.
+
+    The returned transformation's `update` takes the gradients of the *scaled* loss
+    (see `lossscale.scale_loss`). Each step it:
+
+    1. checks with one `jnp.isfinite` reduction over the gradients whether the
+       unscaled gradients are all finite;
+    2. with `jax.lax.cond`, either runs `inner.update` on the gradients divided by
+       the scale (the division sits inside the applied branch, where XLA fuses it
+       into the inner update), or skips it: the updates are zeros and the inner
+       state is returned untouched, so moments, step counts and schedules do not
+       advance;
+    3. updates the loss-scale state with `lossscale.update`, using the scale the
+       loss was multiplied by for the unscaling.
+
+    Steps with non-finite gradients are skipped with every kind of loss scale,
+    static and no-op included (TF's `FixedLossScale` applies them instead).
+    Anything placed inside `inner`, such as `optax.clip_by_global_norm`, sees the
+    true (unscaled) gradients. The result composes with `optax.chain`,
+    `optax.MultiSteps` and `optax.inject_hyperparams`; extra arguments of `update`
+    are passed on to `inner`.
+
+    Args:
+      inner: the optax transformation to wrap.
+      loss_scale: a loss-scale state, a number (a static scale), `"dynamic"` (a
+        default `DynamicLossScale()`) or `None` (no scaling).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a `WrapState`.
+
+    Raises:
+      TypeError: if `inner` is not an optax transformation or `loss_scale` is not
+        one of the above.
+      ValueError: if `loss_scale` is an unknown string or an invalid number. The
+        transformation's `init` raises `ValueError` if `inner` is already wrapped;
+        its `update` raises `TypeError` for non-float gradients and `ValueError`
+        for gradients whose tree differs from `params`.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import lossscale
+      >>> tx = lossscale.wrap(optax.sgd(0.25))
+      >>> params = jnp.array(1.0)
+      >>> opt_state = tx.init(params)
+      >>> @jax.jit
+      ... def step(params, opt_state):
+      ...     loss_fn = lambda p: lossscale.scale_loss(p**2, opt_state)
+      ...     grads = jax.grad(loss_fn)(params)
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state
+      >>> params, opt_state = step(params, opt_state)
+      >>> print(params)
+      0.5
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "`inner` must be an optax transformation (e.g. `optax.adam(1e-3)`), got"
+            f" {type(inner).__name__}."
+        )
+    inner = optax.with_extra_args_support(inner)
+    template = loss_scale_lib.as_loss_scale(loss_scale)
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        if loss_scale_lib.find_loss_scales(inner_state):
+            raise ValueError(
+                "`inner` already holds a loss-scale state: it is wrapped already."
+                " Wrap an optimizer once: nested wraps would unscale twice."
+            )
+        # Fresh buffers on every call, so the state is safe to donate.
+        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), template)
+        return WrapState(loss_scale=fresh, inner_state=inner_state)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if not isinstance(state, WrapState):
+            raise TypeError(
+                "`state` must be the `WrapState` returned by this transformation's"
+                f" `init`, got {type(state).__name__}."
+            )
+        scaling.check_gradients(updates, params)
+        current = state.loss_scale
+        grads_finite = scaling.finite_after_unscale(updates, current)
+
+        def apply_step(operands):
+            grads, inner_state, params = operands
+            return inner.update(
+                scaling.unscale_grads(grads, current),
+                inner_state,
+                params,
+                **extra_args,
+            )
+
+        operands = (updates, state.inner_state, params)
+        # The skipped branch must match the applied one's output types: the inner
+        # update may change dtypes (float16 gradients, float32 updates), which is
+        # where `optax.apply_if_finite` fails.
+        applied_types = jax.eval_shape(apply_step, operands)
+
+        def skip_step(operands):
+            _, inner_state, _ = operands
+            zeros = jax.tree.map(
+                lambda t: jnp.zeros(t.shape, t.dtype), applied_types[0]
+            )
+            return zeros, inner_state
+
+        _check_same_types(applied_types[1], state.inner_state)
+        new_updates, new_inner_state = jax.lax.cond(
+            grads_finite, apply_step, skip_step, operands
+        )
+        return new_updates, WrapState(
+            loss_scale=loss_scale_lib.update(current, grads_finite),
+            inner_state=new_inner_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_same_types(new_state: Any, old_state: Any) -> None:
+    new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)
+    old_leaves, old_def = jax.tree.flatten(old_state)
+    if new_def != old_def:
+        raise ValueError(
+            "The inner transformation's `update` returned a state with another tree"
+            f" structure than it was given: {new_def} vs {old_def}."
+        )
+    for (path, new), old in zip(new_paths, old_leaves, strict=True):
+        old_shape, old_dtype = jnp.shape(old), jnp.result_type(old)
+        if new.shape != old_shape or new.dtype != old_dtype:
+            raise TypeError(
+                "The inner transformation's `update` changed the state leaf at"
+                f" {jax.tree_util.keystr(path)} from {old_dtype}{list(old_shape)} to"
+                f" {new.dtype}{list(new.shape)}; a skipped step could not keep it."
+                " Initialise the inner state with the dtypes its update produces."
+            )

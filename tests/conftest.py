@@ -1,0 +1,47 @@
+"""Test configuration and helpers: deterministic hypothesis runs, tree equality."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings
+
+# Examples are fixed per run (no flaky CI); jit compiles make timing deadlines moot.
+settings.register_profile(
+    "lossscale",
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+    max_examples=int(os.environ.get("LOSSSCALE_HYPOTHESIS_EXAMPLES", "40")),
+)
+settings.load_profile("lossscale")
+
+
+def tree_equal(a, b):
+    """True when two pytrees have the same structure and bit-identical leaves."""
+    leaves_a, def_a = jax.tree.flatten(a)
+    leaves_b, def_b = jax.tree.flatten(b)
+    if def_a != def_b:
+        return False
+    return all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+@pytest.fixture
+def strict_promotion():
+    """Our code must not rely on implicit dtype promotion (optax's code does)."""
+    with jax.numpy_dtype_promotion("strict"):
+        yield
+
+
+@pytest.fixture
+def assert_tree_equal():
+    def check(a, b):
+        assert tree_equal(a, b), f"trees differ:\n{a}\n{b}"
+
+    return check

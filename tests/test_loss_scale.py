@@ -1,0 +1,383 @@
+"""Loss-scale states: the dynamic rule, settings as static data, bad settings."""
+
+import copy
+import pickle
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import initialize
+from hypothesis.stateful import invariant
+from hypothesis.stateful import rule
+from reference import ReferenceDynamicRule
+
+import lossscale
+
+pytestmark = pytest.mark.usefixtures("strict_promotion")
+
+jitted_update = jax.jit(lossscale.update)
+
+SETTINGS = st.fixed_dictionaries(
+    {
+        "initial_scale": st.sampled_from([1.0, 8.0, 2.0**15, 3.0]),
+        "growth_interval": st.integers(1, 4),
+        "growth_factor": st.sampled_from([2.0, 3.0, 1.5]),
+        "backoff_factor": st.sampled_from([0.5, 0.25, 0.7]),
+        "min_scale": st.sampled_from([1.0, 0.5, 2.0**-10]),
+        "max_scale": st.sampled_from([2.0**16, 2.0**24, 100.0]),
+        "hysteresis": st.integers(1, 3),
+    }
+).filter(lambda s: s["min_scale"] <= s["initial_scale"] <= s["max_scale"])
+
+
+def assert_matches_reference(state, reference):
+    assert np.float32(state.scale) == reference.scale
+    assert int(state.counter) == reference.counter
+    assert int(state.skipped_steps) == reference.skipped_steps
+    assert int(state.consecutive_skips) == reference.consecutive_skips
+
+
+class DynamicRuleMachine(RuleBasedStateMachine):
+    """Random runs of finite/non-finite steps against the pure-Python model."""
+
+    @initialize(settings=SETTINGS)
+    def start(self, settings):
+        self.settings = settings
+        self.state = lossscale.DynamicLossScale(**settings)
+        self.reference = ReferenceDynamicRule(**settings)
+
+    @rule(finite=st.booleans())
+    def step(self, finite):
+        self.state = jitted_update(self.state, jnp.asarray(finite))
+        self.reference.step(finite)
+
+    @rule(finite=st.booleans(), count=st.integers(2, 12))
+    def run_of_steps(self, finite, count):
+        for _ in range(count):
+            self.step(finite)
+
+    @invariant()
+    def same_as_reference(self):
+        assert_matches_reference(self.state, self.reference)
+
+    @invariant()
+    def scale_within_bounds(self):
+        scale = np.float32(self.state.scale)
+        assert np.isfinite(scale)
+        assert self.settings["min_scale"] <= scale <= self.settings["max_scale"]
+
+    @invariant()
+    def settings_unchanged(self):
+        for name, value in self.settings.items():
+            if name != "initial_scale":
+                # Float settings are kept as the float32 values the rule uses.
+                assert getattr(self.state, name) == np.float32(value)
+
+
+TestDynamicRuleMachine = DynamicRuleMachine.TestCase
+
+
+@given(settings=SETTINGS, flags=st.lists(st.booleans(), min_size=1, max_size=120))
+def test_dynamic_rule_matches_reference_under_scan(settings, flags):
+    def body(state, finite):
+        state = lossscale.update(state, finite)
+        return state, (state.scale, state.counter)
+
+    _, (scales, counters) = jax.lax.scan(
+        body, lossscale.DynamicLossScale(**settings), jnp.asarray(flags)
+    )
+    reference = ReferenceDynamicRule(**settings)
+    for index, finite in enumerate(flags):
+        reference.step(finite)
+        assert np.float32(scales[index]) == reference.scale, index
+        assert int(counters[index]) == reference.counter, index
+
+
+def test_default_settings_are_keras():
+    state = lossscale.DynamicLossScale()
+    assert float(state.scale) == 2.0**15
+    assert state.growth_interval == 2000
+    assert (state.growth_factor, state.backoff_factor) == (2.0, 0.5)
+    assert (state.min_scale, state.max_scale, state.hysteresis) == (1.0, 2.0**24, 1)
+
+
+def test_scale_grows_on_the_growth_interval_th_finite_step():
+    def run(steps):
+        flags = jnp.ones([steps], jnp.bool_)
+        state, _ = jax.lax.scan(
+            lambda s, f: (lossscale.update(s, f), None),
+            lossscale.DynamicLossScale(),
+            flags,
+        )
+        return state
+
+    assert float(run(1999).scale) == 2.0**15
+    assert int(run(1999).counter) == 1999
+    assert float(run(2000).scale) == 2.0**16
+    assert int(run(2000).counter) == 0
+
+
+def test_hysteresis_backs_off_only_after_that_many_overflows_since_growth():
+    state = lossscale.DynamicLossScale(initial_scale=64.0, hysteresis=3)
+    scales = []
+    for finite in [False, True, False, False, False, True]:
+        state = lossscale.update(state, jnp.asarray(finite))
+        scales.append(float(state.scale))
+    # Overflows 1 and 2 are tolerated (a finite step between does not reset the
+    # count); the 3rd backs off and so does every later one until a growth.
+    assert scales == [64.0, 64.0, 64.0, 32.0, 16.0, 16.0]
+
+
+def test_scale_never_leaves_bounds_even_with_extreme_factors():
+    state = lossscale.DynamicLossScale(
+        initial_scale=2.0**100,
+        growth_interval=1,
+        growth_factor=2.0**20,
+        backoff_factor=2.0**-30,
+        min_scale=2.0**-100,
+        max_scale=2.0**120,
+    )
+    for _ in range(20):
+        state = lossscale.update(state, jnp.asarray(True))
+    assert float(state.scale) == 2.0**120
+    for _ in range(20):
+        state = lossscale.update(state, jnp.asarray(False))
+    assert float(state.scale) == 2.0**-100
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lossscale.NoOpLossScale,
+        lambda: lossscale.StaticLossScale(8.0),
+        lambda: lossscale.DynamicLossScale(min_scale=0.25, hysteresis=2),
+    ],
+)
+def test_skip_counters_for_every_kind(make):
+    state = make()
+    for finite in [False, False, True, False]:
+        state = lossscale.update(state, jnp.asarray(finite))
+    assert int(state.skipped_steps) == 3
+    assert int(state.consecutive_skips) == 1
+
+
+def test_skip_counters_saturate_instead_of_wrapping():
+    big = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+    state = lossscale.NoOpLossScale()._replace(skipped_steps=big, consecutive_skips=big)
+    state = lossscale.update(state, jnp.asarray(False))
+    assert int(state.skipped_steps) == np.iinfo(np.int32).max
+    assert int(state.consecutive_skips) == np.iinfo(np.int32).max
+
+
+def test_static_and_noop_scales_never_change():
+    static, noop = lossscale.StaticLossScale(512), lossscale.NoOpLossScale()
+    for finite in [False, True, False]:
+        static = lossscale.update(static, jnp.asarray(finite))
+        noop = lossscale.update(noop, jnp.asarray(finite))
+    assert float(static.scale) == 512.0
+    assert float(noop.scale) == 1.0
+
+
+# -- states as pytrees -------------------------------------------------------------
+
+KINDS = [
+    lossscale.NoOpLossScale(),
+    lossscale.StaticLossScale(3.0),
+    lossscale.DynamicLossScale(
+        initial_scale=6.0,
+        growth_interval=7,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        min_scale=0.5,
+        max_scale=96.0,
+        hysteresis=2,
+    ),
+]
+
+
+def settings_of(state):
+    return tuple(getattr(state, name) for name in type(state)._setting_fields)
+
+
+@pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
+def test_settings_survive_jit_tree_map_and_flatten(state):
+    round_trips = [
+        jax.jit(lambda s: s)(state),
+        jax.tree.map(lambda x: x + 0, state),
+        jax.tree.unflatten(*reversed(jax.tree.flatten(state))),
+        jax.tree_util.tree_map_with_path(lambda _, x: x, state),
+        pickle.loads(pickle.dumps(state)),
+        copy.deepcopy(state),
+    ]
+    for result in round_trips:
+        assert type(result) is type(state)
+        assert settings_of(result) == settings_of(state)
+        assert jax.tree.structure(result) == jax.tree.structure(state)
+        assert float(result.scale) == float(state.scale)
+
+
+@pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
+def test_leaves_are_scalar_arrays_with_explicit_dtypes(state):
+    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    for path, leaf in paths_and_leaves:
+        assert isinstance(leaf, jax.Array), path
+        assert leaf.shape == ()
+        assert not leaf.weak_type, path
+        expected = jnp.float32 if path[-1].name == "scale" else jnp.int32
+        assert leaf.dtype == expected, path
+
+
+@pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
+def test_jitted_update_compiles_once_and_keeps_structure(state):
+    traces = []
+
+    @jax.jit
+    def step(state, finite):
+        traces.append(None)
+        return lossscale.update(state, finite)
+
+    for finite in [True, False, True, True, False]:
+        new_state = step(state, jnp.asarray(finite))
+        assert jax.tree.structure(new_state) == jax.tree.structure(state)
+        for old, new in zip(
+            jax.tree.leaves(state), jax.tree.leaves(new_state), strict=True
+        ):
+            assert (old.dtype, old.shape, old.weak_type) == (
+                new.dtype,
+                new.shape,
+                new.weak_type,
+            )
+        state = new_state
+    assert len(traces) == 1
+    assert step._cache_size() == 1
+
+
+def test_unflatten_does_not_validate_leaves():
+    # Transformations put placeholders in leaves; that must not trip validation.
+    state = lossscale.DynamicLossScale()
+    shapes = jax.eval_shape(lambda s: s, state)
+    assert shapes.scale.dtype == jnp.float32
+    nones = jax.tree.map(lambda _: object(), state)
+    assert nones.growth_interval == 2000
+
+
+def test_states_are_immutable():
+    state = lossscale.DynamicLossScale()
+    with pytest.raises(AttributeError, match="immutable"):
+        state.scale = jnp.float32(1.0)
+
+
+def test_repr_names_leaves_and_settings():
+    text = repr(lossscale.DynamicLossScale(initial_scale=4.0, growth_interval=3))
+    assert text.startswith("DynamicLossScale(scale=4.0, counter=0")
+    assert "growth_interval=3" in text
+    assert repr(lossscale.StaticLossScale(2)).endswith("scale=2.0)")
+
+
+def test_base_class_is_abstract():
+    with pytest.raises(TypeError, match="abstract"):
+        lossscale.LossScale()
+
+
+# -- bad settings ------------------------------------------------------------------
+
+BAD_DYNAMIC = [
+    ({"growth_factor": 1.0}, ValueError, "growth_factor.*> 1"),
+    ({"growth_factor": 0.5}, ValueError, "growth_factor.*> 1"),
+    ({"growth_factor": 1 + 1e-9}, ValueError, "growth_factor"),
+    ({"backoff_factor": 1.0}, ValueError, r"backoff_factor.*\(0, 1\)"),
+    ({"backoff_factor": 0.0}, ValueError, "backoff_factor.*positive"),
+    ({"backoff_factor": -0.5}, ValueError, "backoff_factor"),
+    (
+        {"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 3.0},
+        ValueError,
+        "min_scale.*<= `max_scale`",
+    ),
+    ({"min_scale": 0.0}, ValueError, "min_scale.*positive"),
+    ({"min_scale": 1e-50}, ValueError, "min_scale.*float32"),
+    ({"max_scale": float("inf")}, ValueError, "max_scale"),
+    ({"max_scale": 1e39}, ValueError, "max_scale.*float32"),
+    ({"initial_scale": -1.0}, ValueError, "initial_scale"),
+    ({"initial_scale": float("nan")}, ValueError, "initial_scale"),
+    ({"initial_scale": 0.5}, ValueError, r"initial_scale.*\[min_scale, max_scale\]"),
+    ({"initial_scale": 2.0**30}, ValueError, "initial_scale"),
+    ({"growth_interval": 0}, ValueError, "growth_interval.*>?1"),
+    ({"growth_interval": -3}, ValueError, "growth_interval"),
+    ({"growth_interval": 2.5}, TypeError, "growth_interval.*int"),
+    ({"growth_interval": 2000.0}, TypeError, "growth_interval.*int"),
+    ({"growth_interval": True}, TypeError, "growth_interval"),
+    ({"growth_interval": 2**31}, ValueError, "growth_interval"),
+    ({"hysteresis": 0}, ValueError, "hysteresis"),
+    ({"hysteresis": 1.5}, TypeError, "hysteresis.*int"),
+    ({"initial_scale": "big"}, TypeError, "initial_scale.*real number"),
+    ({"growth_factor": None}, TypeError, "growth_factor.*real number"),
+    ({"min_scale": True}, TypeError, "min_scale"),
+    ({"max_scale": np.array([1.0, 2.0])}, TypeError, "max_scale"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_DYNAMIC)
+def test_bad_dynamic_settings_raise_naming_the_argument(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        lossscale.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("scale", "error"),
+    [
+        (0, ValueError),
+        (-2.0, ValueError),
+        (float("inf"), ValueError),
+        (float("nan"), ValueError),
+        (1e40, ValueError),
+        ("8", TypeError),
+        (None, TypeError),
+        (False, TypeError),
+    ],
+)
+def test_bad_static_scale_raises(scale, error):
+    with pytest.raises(error, match="`scale`"):
+        lossscale.StaticLossScale(scale)
+
+
+def test_numpy_and_jax_scalars_are_accepted_as_settings():
+    state = lossscale.DynamicLossScale(
+        initial_scale=np.float64(8.0),
+        growth_interval=np.int64(5),
+        min_scale=jnp.float32(0.5),
+    )
+    assert (state.growth_interval, state.min_scale) == (5, 0.5)
+    assert isinstance(state.growth_interval, int)
+
+
+def test_traced_setting_gets_a_clear_error():
+    with pytest.raises(TypeError, match="concrete number.*static"):
+        jax.jit(lambda s: lossscale.StaticLossScale(s))(jnp.float32(2.0))
+
+
+@pytest.mark.parametrize(
+    ("finite", "error", "message"),
+    [
+        (jnp.ones([2], jnp.bool_), ValueError, "scalar"),
+        (jnp.float32(1.0), TypeError, "boolean"),
+        (1, TypeError, "boolean scalar"),
+        ("yes", TypeError, "boolean scalar"),
+    ],
+)
+def test_update_rejects_bad_predicates(finite, error, message):
+    with pytest.raises(error, match=message):
+        lossscale.update(lossscale.DynamicLossScale(), finite)
+
+
+def test_update_rejects_non_states():
+    with pytest.raises(TypeError, match="get_loss_scale"):
+        lossscale.update({"scale": jnp.float32(1)}, jnp.asarray(True))
+
+
+def test_update_accepts_python_bools():
+    state = lossscale.update(lossscale.DynamicLossScale(initial_scale=4.0), False)
+    assert float(state.scale) == 2.0

@@ -1,0 +1,240 @@
+"""scale_loss, unscale_grads, all_finite and select_tree, against numpy."""
+
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+
+import lossscale
+
+pytestmark = pytest.mark.usefixtures("strict_promotion")
+
+FLOAT_DTYPES = [np.float32, np.float16, jnp.bfloat16]
+
+
+# -- scale_loss --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_scale_loss_promotes_to_float32_and_cannot_overflow(dtype):
+    # Near float16's maximum: scaled in float16 it would be inf.
+    loss = jnp.asarray(60000.0, dtype)
+    scaled = jax.jit(lossscale.scale_loss)(loss, lossscale.DynamicLossScale())
+    assert scaled.dtype == jnp.float32
+    expected = np.float32(np.asarray(loss, np.float32)) * np.float32(2.0**15)
+    assert np.asarray(scaled) == expected
+    assert np.isfinite(np.asarray(scaled))
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (None, 1.0),
+        (4, 4.0),
+        (0.5, 0.5),
+        ("dynamic", 2.0**15),
+        (lossscale.StaticLossScale(8), 8.0),
+    ],
+)
+def test_scale_loss_accepts_every_loss_scale_spec(spec, expected):
+    assert float(lossscale.scale_loss(jnp.float32(1.5), spec)) == 1.5 * expected
+
+
+def test_scale_loss_accepts_an_optimizer_state_holding_a_loss_scale():
+    tx = optax.chain(optax.clip(1.0), lossscale.wrap(optax.sgd(0.1), 64.0))
+    opt_state = tx.init(jnp.zeros(2))
+    assert float(lossscale.scale_loss(jnp.float32(2.0), opt_state)) == 128.0
+
+
+def test_gradient_of_scaled_loss_is_scaled_gradient():
+    def loss(w):
+        return jnp.sum(jnp.sin(w) * w)
+
+    w = jnp.linspace(-2.0, 2.0, 7)
+    grads = jax.grad(lambda w: lossscale.scale_loss(loss(w), 1024))(w)
+    np.testing.assert_array_equal(grads, jax.grad(loss)(w) * 1024)
+
+
+@pytest.mark.parametrize(
+    ("loss", "error", "message"),
+    [
+        (jnp.ones(3), ValueError, r"scalar, got shape \(3,\).*jnp.mean"),
+        (jnp.int32(3), TypeError, "floating point, got dtype int32"),
+        (jnp.asarray(True), TypeError, "floating point"),
+        ("1.0", TypeError, "floating-point scalar"),
+        (3, TypeError, "floating-point scalar"),
+    ],
+)
+def test_scale_loss_rejects_bad_losses(loss, error, message):
+    with pytest.raises(error, match=message):
+        lossscale.scale_loss(loss, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "message"),
+    [
+        ("static", ValueError, "only string allowed is 'dynamic'"),
+        ("Dynamic", ValueError, "'dynamic'"),
+        (-1.0, ValueError, "positive"),
+        (True, TypeError, "loss_scale"),
+        ({"not": "an optimizer state"}, TypeError, "no loss-scale state inside"),
+        ([1.0, 2.0], TypeError, "loss_scale"),
+    ],
+)
+def test_scale_loss_rejects_bad_loss_scales(spec, error, message):
+    with pytest.raises(error, match=message):
+        lossscale.scale_loss(jnp.float32(1.0), spec)
+
+
+# -- unscale_grads -----------------------------------------------------------------
+
+
+def numpy_unscale(grad, scale):
+    grad = np.asarray(grad)
+    inverse = np.float32(1.0) / np.float32(scale)
+    return (grad.astype(np.float32) * inverse).astype(grad.dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("scale", [2.0**15, 3.0, 0.5, 1000.0])
+def test_unscale_grads_matches_numpy_and_keeps_dtype(dtype, scale):
+    rng = np.random.default_rng(0)
+    grad = (rng.standard_normal(257) * 100).astype(dtype)
+    out = jax.jit(lambda g: lossscale.unscale_grads(g, scale))({"g": grad})["g"]
+    assert out.dtype == grad.dtype
+    np.testing.assert_array_equal(np.asarray(out), numpy_unscale(grad, scale))
+
+
+def test_unscale_grads_is_exact_division_for_power_of_two_scales():
+    grad = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    out = lossscale.unscale_grads(jnp.asarray(grad), lossscale.DynamicLossScale())
+    np.testing.assert_array_equal(np.asarray(out), grad / np.float32(2.0**15))
+
+
+def test_unscale_grads_passes_none_leaves_and_keeps_structure():
+    grads = {"a": jnp.full([2], 8.0), "frozen": None, "nested": (jnp.float16(4.0),)}
+    out = lossscale.unscale_grads(grads, 4.0)
+    assert jax.tree.structure(out, is_leaf=lambda x: x is None) == jax.tree.structure(
+        grads, is_leaf=lambda x: x is None
+    )
+    assert out["frozen"] is None
+    np.testing.assert_array_equal(out["a"], [2.0, 2.0])
+    assert out["nested"][0].dtype == jnp.float16 and float(out["nested"][0]) == 1.0
+
+
+def test_unscale_grads_with_noop_is_identity():
+    grads = {"a": jnp.arange(3.0)}
+    assert lossscale.unscale_grads(grads, None)["a"] is grads["a"]
+
+
+def test_unscale_grads_rejects_integer_gradients_naming_the_leaf():
+    with pytest.raises(TypeError, match=r"\['count'\].*int32"):
+        lossscale.unscale_grads({"w": jnp.ones(2), "count": jnp.ones(2, jnp.int32)}, 2)
+
+
+def test_float16_gradients_that_underflow_at_scale_1_are_recovered_with_scaling():
+    # The mean over a large batch: the loss's cotangent, 1/n, times small float16
+    # activations falls below float16's smallest subnormal (5.96e-8) unscaled.
+    n = 4096
+    x = jnp.asarray(np.random.default_rng(0).uniform(1e-5, 5e-5, n), jnp.float16)
+    w = jnp.ones(n, jnp.float32)  # float32 master weights, float16 compute
+
+    def loss(w):
+        return jnp.mean(w.astype(jnp.float16) * x)
+
+    def grads_with(loss_scale):
+        grads = jax.grad(lambda w: lossscale.scale_loss(loss(w), loss_scale))(w)
+        return lossscale.unscale_grads(grads, loss_scale)
+
+    exact = np.asarray(x, np.float64) / n  # the true gradient, 2.4e-9 to 1.2e-8
+    unscaled = grads_with(None)
+    scaled = grads_with(lossscale.DynamicLossScale())
+    assert np.count_nonzero(np.asarray(unscaled)) == 0  # every element underflowed
+    relative_error = np.abs(np.asarray(scaled, np.float64) - exact) / exact
+    assert relative_error.max() < 2e-3  # float16's own precision, nothing lost
+
+
+# -- all_finite --------------------------------------------------------------------
+
+
+@st.composite
+def arrays_with_specials(draw):
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=9))
+    values = draw(
+        hnp.arrays(
+            np.float32,
+            shape,
+            elements=st.one_of(
+                st.floats(-1e4, 1e4, width=32),
+                st.sampled_from([np.inf, -np.inf, np.nan, 0.0, -0.0, 65504.0]),
+            ),
+        )
+    )
+    return values.astype(dtype)
+
+
+jitted_all_finite = jax.jit(lossscale.all_finite)
+
+
+@given(st.lists(arrays_with_specials(), min_size=0, max_size=4))
+def test_all_finite_matches_numpy(leaves):
+    expected = all(np.isfinite(leaf.astype(np.float32)).all() for leaf in leaves)
+    tree = [jnp.asarray(leaf) for leaf in leaves]
+    assert bool(jitted_all_finite(tree)) == expected
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_all_finite_finds_one_bad_element_in_a_large_leaf(dtype, bad):
+    leaf = jnp.ones((300, 301), dtype).at[299, 300].set(bad)
+    assert not bool(jitted_all_finite({"ok": jnp.ones(5), "bad": leaf}))
+    # Large finite values must not overflow the reduction.
+    big = jnp.full((300, 301), jnp.finfo(dtype).max, dtype)
+    assert bool(jitted_all_finite({"big": big}))
+
+
+def test_all_finite_ignores_integer_and_none_leaves():
+    tree = {"i": jnp.arange(3), "n": None, "b": jnp.array([True]), "f": jnp.ones(2)}
+    assert bool(lossscale.all_finite(tree))
+    assert bool(lossscale.all_finite({}))
+
+
+def test_all_finite_returns_a_boolean_scalar():
+    out = lossscale.all_finite({"a": jnp.ones(3)})
+    assert out.shape == () and out.dtype == jnp.bool_
+
+
+# -- select_tree -------------------------------------------------------------------
+
+
+def test_select_tree_picks_by_predicate_under_jit():
+    on_true = {"a": jnp.ones(3), "b": (jnp.int32(1), jnp.float16(2.0))}
+    on_false = {"a": jnp.zeros(3), "b": (jnp.int32(5), jnp.float16(-1.0))}
+    select = jax.jit(lossscale.select_tree)
+    for pred, expected in [(True, on_true), (False, on_false)]:
+        out = select(jnp.asarray(pred), on_true, on_false)
+        for got, want in zip(
+            jax.tree.leaves(out), jax.tree.leaves(expected), strict=True
+        ):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("pred", "on_false", "error", "message"),
+    [
+        (True, {"b": jnp.ones(2)}, ValueError, "same tree structure"),
+        (True, {"a": jnp.ones(3)}, ValueError, r"shape \(2,\).*\(3,\)"),
+        (True, {"a": jnp.ones(2, jnp.float16)}, TypeError, "dtype float32.*float16"),
+        (jnp.ones(2, jnp.bool_), {"a": jnp.ones(2)}, ValueError, "`pred`.*scalar"),
+        (jnp.float32(1), {"a": jnp.ones(2)}, TypeError, "`pred`.*boolean"),
+    ],
+)
+def test_select_tree_rejects_mismatches(pred, on_false, error, message):
+    with pytest.raises(error, match=message):
+        lossscale.select_tree(pred, {"a": jnp.ones(2)}, on_false)
