@@ -107,8 +107,8 @@ class LossScale:
     def __reduce__(self):
         # Pickle and deepcopy through the pytree fields: the default protocol would
         # set slots with `setattr`, which immutability forbids.
-        arrays = tuple(getattr(self, name) for name in self._array_fields)
-        return _rebuild, (type(self), self._settings(), arrays)
+        arrays, settings = self._flatten()
+        return type(self)._unflatten, (settings, arrays)
 
     def __setattr__(self, name, value):
         raise AttributeError(
@@ -120,7 +120,11 @@ class LossScale:
         fields = [
             f"{name}={_format_leaf(getattr(self, name))}" for name in self._array_fields
         ]
-        fields += [f"{name}={getattr(self, name)!r}" for name in self._setting_fields]
+        # A private setting (`_scale`) is shown under its public name (`scale`).
+        fields += [
+            f"{name.lstrip('_')}={getattr(self, name)!r}"
+            for name in self._setting_fields
+        ]
         return f"{type(self).__name__}({', '.join(fields)})"
 
     # -- the rule --------------------------------------------------------------
@@ -219,9 +223,6 @@ class StaticLossScale(LossScale):
     @property
     def _lowest_scale(self) -> float:
         return self._scale
-
-    def __repr__(self) -> str:
-        return super().__repr__().replace("_scale=", "scale=")
 
 
 class DynamicLossScale(LossScale):
@@ -386,10 +387,6 @@ class DynamicLossScale(LossScale):
                 overflows_since_growth=overflows,
             )
         )
-
-
-def _rebuild(cls, settings, arrays):
-    return cls._unflatten(settings, arrays)
 
 
 LossScaleLike = LossScale | float | int | str | None

@@ -20,6 +20,16 @@ class WrapState(NamedTuple):
       loss_scale: the loss-scale state (a `LossScale` pytree of scalar arrays).
       inner_state: the wrapped transformation's state; unchanged, bit for bit, by a
         skipped step.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import lossscale
+      >>> opt_state = lossscale.wrap(optax.adam(1e-3), 256.0).init(jnp.zeros(2))
+      >>> print(type(opt_state).__name__, opt_state.loss_scale.scale)
+      WrapState 256.0
+      >>> print(opt_state.inner_state[0].count)
+      0
     """
 
     loss_scale: loss_scale_lib.LossScale
