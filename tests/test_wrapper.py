@@ -247,13 +247,10 @@ def test_every_init_returns_fresh_buffers_safe_to_donate():
     assert not buffer_pointers(first.loss_scale) & buffer_pointers(second.loss_scale)
     assert not buffer_pointers(first.loss_scale) & buffer_pointers(template)
 
-    @jax.jit
     def step(opt_state, grads):
         return tx.update(grads, opt_state, params)[1]
 
-    donating = jax.jit(
-        step.__wrapped__ if hasattr(step, "__wrapped__") else step, donate_argnums=0
-    )
+    donating = jax.jit(step, donate_argnums=0)
     donating(first, grads_like(params, 0))
     # The other state and the template are still readable after the donation.
     assert float(second.loss_scale.scale) == 64.0

@@ -280,17 +280,6 @@ class DynamicLossScale(LossScale):
       8.0
     """
 
-    __slots__ = (
-        "scale",
-        "counter",
-        "overflows_since_growth",
-        "growth_interval",
-        "growth_factor",
-        "backoff_factor",
-        "min_scale",
-        "max_scale",
-        "hysteresis",
-    )
     _array_fields = (
         "scale",
         "counter",
@@ -304,6 +293,11 @@ class DynamicLossScale(LossScale):
         "min_scale",
         "max_scale",
         "hysteresis",
+    )
+    __slots__ = tuple(
+        name
+        for name in _array_fields + _setting_fields
+        if name not in LossScale.__slots__
     )
 
     scale: jax.Array
