@@ -495,7 +495,10 @@ def get_loss_scale(opt_state: Any) -> LossScale:
       >>> print(lossscale.get_loss_scale(opt_state).scale)
       32768.0
     """
-    found = find_loss_scales(opt_state)
+    return _the_one(find_loss_scales(opt_state), opt_state)
+
+
+def _the_one(found: list[tuple[Any, LossScale]], opt_state: Any) -> LossScale:
     if not found:
         raise ValueError(
             "No loss-scale state found in `opt_state` (a"
@@ -525,8 +528,9 @@ def resolve_loss_scale(value: Any, name: str = "loss_scale") -> LossScale:
     """A loss-scale spec (see `as_loss_scale`) or an optimizer state holding one."""
     if value is None or isinstance(value, LossScale | str) or _is_number(value):
         return as_loss_scale(value, name)
-    if find_loss_scales(value):
-        return get_loss_scale(value)
+    found = find_loss_scales(value)
+    if found:
+        return _the_one(found, value)
     raise TypeError(
         f"`{name}` must be a loss-scale state, a number, 'dynamic', None or an"
         f" optimizer state holding a loss-scale state; got {type(value).__name__}"

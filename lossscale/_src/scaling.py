@@ -77,10 +77,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     """
     state = loss_scale_lib.resolve_loss_scale(loss_scale)
     check_gradients(grads)
-    if isinstance(state, loss_scale_lib.NoOpLossScale):
-        return grads
-    inverse_scale = _inverse(state.scale)
-    return jax.tree.map(lambda g: _unscale_leaf(g, inverse_scale), grads)
+    return unscale(grads, state)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -162,6 +159,16 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
 # -- shared with the optax wrapper ------------------------------------------------
 
 
+def unscale(grads: Any, state: loss_scale_lib.LossScale) -> Any:
+    """`unscale_grads` for checked gradients and a resolved state."""
+    if isinstance(state, loss_scale_lib.NoOpLossScale):
+        return grads
+    inverse_scale = _inverse(state.scale)
+    return jax.tree.map(
+        lambda g: _unscale_wide(g, inverse_scale).astype(g.dtype), grads
+    )
+
+
 def check_gradients(grads: Any, params: Any = None) -> None:
     """Raises a clear error for non-float gradient leaves or mismatched trees."""
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
@@ -205,17 +212,17 @@ def finite_after_unscale(grads: Any, state: loss_scale_lib.LossScale) -> jax.Arr
 
 def _unscaled_or_inf(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
     """The unscaled leaf in float32 or wider, inf where `grad`'s dtype overflows."""
-    wide = _at_least_float32(grad.dtype)
-    value = grad.astype(wide) * inverse_scale.astype(wide)
-    if wide == grad.dtype:
+    value = _unscale_wide(grad, inverse_scale)
+    if value.dtype == grad.dtype:
         return value
     # Compare with the rounding threshold instead of casting down and back up:
     # XLA:GPU removes such a round trip (it allows excess precision), which hid
     # the overflow. Values at or above max + ulp/2 round to inf.
     finfo = jnp.finfo(grad.dtype)
     top_ulp = 2.0 ** (finfo.maxexp - 1) * float(finfo.eps)
-    threshold = jnp.asarray(float(finfo.max) + top_ulp / 2, wide)
-    return jnp.where(jnp.abs(value) < threshold, value, jnp.asarray(jnp.inf, wide))
+    threshold = jnp.asarray(float(finfo.max) + top_ulp / 2, value.dtype)
+    infinity = jnp.asarray(jnp.inf, value.dtype)
+    return jnp.where(jnp.abs(value) < threshold, value, infinity)
 
 
 def _all_finite_leaves(leaves: list[Any]) -> jax.Array:
@@ -233,9 +240,11 @@ def _all_finite_leaves(leaves: list[Any]) -> jax.Array:
     return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
 
 
-def _unscale_leaf(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
+def _unscale_wide(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
+    # The one definition of the unscaled value: the check and the applied branch
+    # must agree on it exactly.
     wide = _at_least_float32(grad.dtype)
-    return (grad.astype(wide) * inverse_scale.astype(wide)).astype(grad.dtype)
+    return grad.astype(wide) * inverse_scale.astype(wide)
 
 
 def _at_least_float32(dtype) -> jnp.dtype:

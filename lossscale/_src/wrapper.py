@@ -128,7 +128,7 @@ def wrap(
         def apply_step(operands):
             grads, inner_state, params = operands
             return inner.update(
-                scaling.unscale_grads(grads, current),
+                scaling.unscale(grads, current),
                 inner_state,
                 params,
                 **extra_args,
