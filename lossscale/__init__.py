@@ -6,6 +6,10 @@ overflow while the scale adapts (`update`). `wrap` does all of it around any opt
 transformation.
 """
 
+from lossscale._src.config import check_config
+from lossscale._src.config import config
+from lossscale._src.config import from_config
+from lossscale._src.grad import value_and_grad
 from lossscale._src.loss_scale import DynamicLossScale
 from lossscale._src.loss_scale import LossScale
 from lossscale._src.loss_scale import LossScaleLike
@@ -31,11 +35,15 @@ __all__ = (
     "StaticLossScale",
     "WrapState",
     "all_finite",
+    "check_config",
+    "config",
+    "from_config",
     "get_loss_scale",
     "metrics",
     "scale_loss",
     "select_tree",
     "unscale_grads",
     "update",
+    "value_and_grad",
     "wrap",
 )

@@ -85,6 +85,19 @@ def test_skipped_step_changes_nothing_but_the_loss_scale(assert_tree_equal):
     assert int(opt_state.inner_state[0].count) == 1  # Adam's count did not move
 
 
+def test_skipped_updates_are_negative_zeros_that_keep_every_parameter_bitwise():
+    # +0.0 updates would turn a -0.0 parameter into +0.0.
+    params = {"w": jnp.array([-0.0, 0.0, 1.5, -2.0]), "h": jnp.float16(-0.0)}
+    tx = lossscale.wrap(optax.adam(1e-2))
+    grads = {"w": jnp.array([1.0, jnp.nan, 1.0, 1.0]), "h": jnp.float16(1.0)}
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert all(bool(jnp.all(jnp.signbit(u))) for u in jax.tree.leaves(updates))
+    new_params = optax.apply_updates(params, updates)
+    pairs = zip(jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True)
+    for new, old in pairs:
+        assert np.asarray(new).tobytes() == np.asarray(old).tobytes()
+
+
 def test_scale_doubles_after_growth_interval_finite_steps():
     loss_scale = lossscale.DynamicLossScale(initial_scale=4.0, growth_interval=3)
     tx = lossscale.wrap(optax.sgd(0.1), loss_scale)

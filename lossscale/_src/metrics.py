@@ -16,8 +16,9 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
     Usable inside `jax.jit`: the values are arrays, nothing is copied to the host.
 
     Args:
-      opt_state_or_loss_scale: a loss-scale state, or an optimizer state (any
-        pytree) holding exactly one.
+      opt_state_or_loss_scale: a loss-scale state, or an optimizer state or
+        train state (any pytree, e.g. a `lossscale.flax.TrainState` or
+        `lossscale.flax.Optimizer`) holding exactly one.
 
     Returns:
       A dict with the same keys for every kind of loss scale:
@@ -43,10 +44,14 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       last_finite True
     """
     state = loss_scale_lib.get_loss_scale(opt_state_or_loss_scale)
+    # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
+    scale = jnp.asarray(state.scale)
+    skipped_steps = jnp.asarray(state.skipped_steps)
+    consecutive_skips = jnp.asarray(state.consecutive_skips)
     return {
-        "loss_scale": state.scale,
-        "skipped_steps": state.skipped_steps,
-        "consecutive_skips": state.consecutive_skips,
+        "loss_scale": scale,
+        "skipped_steps": skipped_steps,
+        "consecutive_skips": consecutive_skips,
         # Derived, not stored: the latest step was applied iff no skip is pending.
-        "last_finite": state.consecutive_skips == jnp.zeros([], jnp.int32),
+        "last_finite": consecutive_skips == jnp.zeros([], jnp.int32),
     }

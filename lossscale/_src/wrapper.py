@@ -51,7 +51,8 @@ def wrap(
        the scale (the division sits inside the applied branch, where XLA fuses it
        into the inner update), or skips it: the updates are zeros and the inner
        state is returned untouched, so moments, step counts and schedules do not
-       advance;
+       advance (the zeros are negative zeros, so `optax.apply_updates` leaves
+       every parameter bit for bit as it was);
     3. updates the loss-scale state with `lossscale.update`, using the scale the
        loss was multiplied by for the unscaling.
 
@@ -142,12 +143,14 @@ def wrap(
 
         def skip_step(operands):
             _, inner_state, _ = operands
+            # Negative zeros: `p + (-0.0)` is `p` bit for bit, even for p = -0.0
+            # (with +0.0 it would come back +0.0), so applying them changes nothing.
             zeros = jax.tree.map(
-                lambda t: jnp.zeros(t.shape, t.dtype), applied_types[0]
+                lambda t: jnp.full(t.shape, -0.0, t.dtype), applied_types[0]
             )
             return zeros, inner_state
 
-        _check_same_types(applied_types[1], state.inner_state)
+        check_same_types(applied_types[1], state.inner_state)
         new_updates, new_inner_state = jax.lax.cond(
             grads_finite, apply_step, skip_step, operands
         )
@@ -159,7 +162,8 @@ def wrap(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_same_types(new_state: Any, old_state: Any) -> None:
+def check_same_types(new_state: Any, old_state: Any) -> None:
+    """Raises a clear error if an update changed its state's tree or leaf types."""
     new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)
     old_leaves, old_def = jax.tree.flatten(old_state)
     if new_def != old_def:

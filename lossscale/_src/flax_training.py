@@ -1,0 +1,260 @@
+"""Flax integrations: a linen `TrainState` and an `nnx.Optimizer` with loss scaling.
+
+Flax is an optional dependency: this module is imported only by `lossscale.flax`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax import struct
+from flax.training import train_state
+
+from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import scaling
+from lossscale._src import wrapper
+
+# Flax's marker for fp8 "overwrite with gradient" collections.
+_OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+class TrainState(train_state.TrainState):
+    """Flax's `TrainState` with loss scaling and exact skips of non-finite steps.
+
+    Create it with `TrainState.create(apply_fn=..., params=..., tx=...,
+    loss_scale=...)`, where `tx` is any (unwrapped) optax optimizer. Differentiate
+    the scaled loss (`lossscale.value_and_grad(loss_fn)(state, ...)` or
+    `lossscale.scale_loss(loss, state)`) and pass its gradients to
+    `apply_gradients`, which:
+
+    * checks with one reduction whether the unscaled gradients are all finite;
+    * if so, unscales them, runs `tx.update` and applies the updates, all inside
+      the applied branch of one `jax.lax.cond`; otherwise it leaves `params` and
+      `opt_state` untouched, bit for bit;
+    * advances `step` only on applied steps, so `step` always equals the
+      optimizer's own step count (Flax's `DynamicScale` recipe lets them drift);
+    * updates the loss-scale state, the field `loss_scale`.
+
+    `lossscale.metrics(state)` gives the scalars to log. The state is a pytree of
+    arrays only (`step` is an int32 array, not a Python int), so a jitted train
+    step compiles once.
+
+    Attributes:
+      loss_scale: the loss-scale state (`lossscale.DynamicLossScale`, ...).
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import lossscale
+      >>> import lossscale.flax
+      >>> state = lossscale.flax.TrainState.create(
+      ...     apply_fn=lambda params, x: params["w"] * x,
+      ...     params={"w": jnp.array(1.0)},
+      ...     tx=optax.sgd(0.25),
+      ...     loss_scale="dynamic",
+      ... )
+      >>> @jax.jit
+      ... def train_step(state, x):
+      ...     loss_fn = lambda params: state.apply_fn(params, x) ** 2
+      ...     loss, grads = lossscale.value_and_grad(loss_fn)(state, state.params)
+      ...     return state.apply_gradients(grads=grads), loss
+      >>> state, loss = train_step(state, jnp.array(1.0))
+      >>> print(loss, state.params["w"], state.step)
+      1.0 0.5 1
+      >>> state, loss = train_step(state, jnp.array(jnp.inf))  # skipped
+      >>> print(state.params["w"], state.step, state.loss_scale.scale)
+      0.5 1 16384.0
+    """
+
+    loss_scale: loss_scale_lib.LossScale = struct.field(pytree_node=True)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn,
+        params,
+        tx: optax.GradientTransformation,
+        loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+        **kwargs,
+    ) -> TrainState:
+        """Creates a train state with `step` 0 and fresh optimizer state.
+
+        Args:
+          apply_fn: usually the model's `apply`.
+          params: the parameters to train.
+          tx: the optax optimizer, not wrapped with `lossscale.wrap` (the train
+            state does the loss scaling itself).
+          loss_scale: a loss-scale state, a number (a static scale), `"dynamic"`
+            (a default `DynamicLossScale()`) or `None` (no scaling, but non-finite
+            steps are still skipped).
+          **kwargs: further fields of a subclass.
+
+        Returns:
+          The new `TrainState`.
+
+        Raises:
+          TypeError: if `tx` is not an optax transformation or `loss_scale` is
+            not one of the above.
+          ValueError: if `tx` holds a loss-scale state already, or `params` uses
+            Flax's fp8 `_overwrite_with_gradient` collection.
+        """
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                "`tx` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
+                f" got {type(tx).__name__}."
+            )
+        _refuse_overwrite_with_gradient(params, "params")
+        template = loss_scale_lib.as_loss_scale(loss_scale)
+        opt_state = tx.init(params)
+        if loss_scale_lib.find_loss_scales(opt_state):
+            raise ValueError(
+                "`tx` holds a loss-scale state: it is wrapped with `lossscale.wrap`"
+                " already. Pass the unwrapped optimizer and the loss scale as"
+                " `loss_scale=...`; the train state unscales the gradients itself."
+            )
+        return cls(
+            step=jnp.zeros([], jnp.int32),
+            apply_fn=apply_fn,
+            params=params,
+            tx=tx,
+            opt_state=opt_state,
+            loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), template),
+            **kwargs,
+        )
+
+    def apply_gradients(self, *, grads, **kwargs) -> TrainState:
+        """Applies the gradients of the scaled loss, or skips them if not finite.
+
+        Args:
+          grads: gradients of the *scaled* loss, same tree as `params`.
+          **kwargs: further fields to replace, as in Flax's `TrainState`.
+
+        Returns:
+          The next state: on an applied step `step + 1`, new `params` and
+          `opt_state`; on a skipped one the same `step`, `params` and `opt_state`.
+          `loss_scale` is updated either way.
+
+        Raises:
+          TypeError: if a gradient leaf is not floating point, or `tx.update`
+            changes the dtype of an optimizer-state leaf.
+          ValueError: if `grads` and `params` differ in tree structure.
+        """
+        _refuse_overwrite_with_gradient(grads, "grads")
+        scaling.check_gradients(grads, self.params)
+        current = self.loss_scale
+        grads_finite = scaling.finite_after_unscale(grads, current)
+
+        def apply_step(operands):
+            params, opt_state, grads = operands
+            updates, opt_state = self.tx.update(
+                scaling.unscale(grads, current), opt_state, params
+            )
+            return optax.apply_updates(params, updates), opt_state
+
+        def skip_step(operands):
+            params, opt_state, _ = operands
+            return params, opt_state
+
+        operands = (self.params, self.opt_state, grads)
+        applied_types = jax.eval_shape(apply_step, operands)
+        wrapper.check_same_types(applied_types, (self.params, self.opt_state))
+        # The whole update sits inside the applied branch: only the new params and
+        # optimizer state cross the cond, never a tree of zero updates.
+        params, opt_state = jax.lax.cond(grads_finite, apply_step, skip_step, operands)
+        step = jnp.asarray(self.step)
+        return self.replace(
+            step=step + grads_finite.astype(step.dtype),
+            params=params,
+            opt_state=opt_state,
+            loss_scale=loss_scale_lib.update(current, grads_finite),
+            **kwargs,
+        )
+
+
+class Optimizer(nnx.Optimizer):
+    """`flax.nnx.Optimizer` with loss scaling and exact skips of non-finite steps.
+
+    It wraps `tx` with `lossscale.wrap(tx, loss_scale)`, so a non-finite step leaves
+    the parameters and the inner optimizer state unchanged bit for bit, and, unlike
+    a plain `nnx.Optimizer` around a wrapped `tx`, its `step` advances only on
+    applied steps. Scale the loss with `lossscale.scale_loss(loss, optimizer)`
+    inside the function given to `nnx.grad` or `nnx.value_and_grad`.
+
+    Args:
+      model: the NNX module.
+      tx: the optax optimizer, not wrapped with `lossscale.wrap`.
+      wrt: the filter of variables to optimise, as for `nnx.Optimizer`.
+      loss_scale: a loss-scale state, a number, `"dynamic"` or `None`.
+      **kwargs: passed on to `nnx.Optimizer` (e.g. `graph=`).
+
+    Raises:
+      TypeError: if `tx` or `loss_scale` is invalid.
+      ValueError: if `tx` is wrapped with `lossscale.wrap` already.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> from flax import nnx
+      >>> import lossscale
+      >>> import lossscale.flax
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = lossscale.flax.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, x):
+      ...     def loss_fn(model):
+      ...         return lossscale.scale_loss(jnp.mean(model(x) ** 2), optimizer)
+      ...     optimizer.update(model, nnx.grad(loss_fn)(model))
+      >>> train_step(model, optimizer, jnp.ones((4, 2)))
+      >>> train_step(model, optimizer, jnp.full((4, 2), jnp.inf))  # skipped
+      >>> print(optimizer.step[...], optimizer.loss_scale.skipped_steps)
+      1 1
+    """
+
+    def __init__(
+        self,
+        model,
+        tx: optax.GradientTransformation,
+        *,
+        wrt,
+        loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+        **kwargs,
+    ):
+        super().__init__(model, wrapper.wrap(tx, loss_scale), wrt=wrt, **kwargs)
+
+    @property
+    def loss_scale(self) -> loss_scale_lib.LossScale:
+        """The loss-scale state, with plain arrays as leaves."""
+        return loss_scale_lib.get_loss_scale(nnx.as_pure(self.opt_state))
+
+    def update(self, model, grads, /, **kwargs) -> optax.Updates:
+        """Updates the model from gradients of the scaled loss; see `nnx.Optimizer`.
+
+        Args:
+          model: the NNX module.
+          grads: gradients of the *scaled* loss, from `nnx.grad`.
+          **kwargs: extra arguments for the transformation's `update`.
+
+        Returns:
+          The updates applied: zeros (negative zeros, which leave every parameter
+          bit for bit unchanged) on a skipped step.
+        """
+        updates = super().update(model, grads, **kwargs)
+        # `nnx.Optimizer.update` always counts a step; take a skipped one back.
+        skipped = self.loss_scale.consecutive_skips > 0
+        self.step[...] -= skipped.astype(self.step.dtype)
+        return updates
+
+
+def _refuse_overwrite_with_gradient(tree: Any, name: str) -> None:
+    if hasattr(tree, "keys") and _OVERWRITE_WITH_GRADIENT in tree.keys():
+        raise ValueError(
+            f"`{name}` holds Flax's fp8 `{_OVERWRITE_WITH_GRADIENT}` collection,"
+            " which `lossscale.flax.TrainState` does not support: fp8 scaling"
+            " metadata must not be unscaled or skipped like gradients."
+        )

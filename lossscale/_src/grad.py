@@ -1,0 +1,129 @@
+"""`value_and_grad` of the scaled loss, reporting the unscaled loss."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import scaling
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    argnums: int | Sequence[int] = 0,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like `jax.value_and_grad`, but differentiates the loss times the loss scale.
+
+    The returned function is called as `g(loss_scale, *args, **kwargs)`: its first
+    argument is the loss-scale state (or an optimizer state or train state holding
+    one), the others are `fun`'s own, and `argnums` counts within those, as in
+    `jax.value_and_grad`. What is scaled and what is not:
+
+    * the gradients are those of `scale_loss(fun(*args, **kwargs), loss_scale)`:
+      they are multiplied by the scale (with whatever overflow or underflow the
+      backward pass produces at that scale), ready for the `update` of a
+      `lossscale.wrap` optimizer or `lossscale.flax.TrainState.apply_gradients`,
+      which unscale them;
+    * the loss and `aux` are returned exactly as `fun` computed them, unscaled
+      and in their own dtypes.
+
+    Args:
+      fun: the loss function; returns a floating-point scalar, or a pair
+        `(loss, aux)` when `has_aux` is True.
+      has_aux: whether `fun` returns `(loss, aux)`.
+      argnums: which of `fun`'s positional arguments to differentiate: an int or
+        a sequence of ints.
+
+    Returns:
+      A function `g(loss_scale, *args, **kwargs)` returning `(loss, grads)`, or
+      `((loss, aux), grads)` when `has_aux` is True. With a tuple `argnums`,
+      `grads` is a tuple.
+
+    Raises:
+      TypeError: if `fun` is not callable, `has_aux` is not a bool or `argnums`
+        is not an int or a sequence of ints; when called, if `fun`'s result is not
+        a floating-point scalar (or a pair with `has_aux`).
+      ValueError: if `argnums` is empty or has a negative entry.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> def loss_fn(w, x):
+      ...     return jnp.sum(w * x), {"norm": jnp.linalg.norm(w)}
+      >>> grad_fn = jax.jit(lossscale.value_and_grad(loss_fn, has_aux=True))
+      >>> loss_scale = lossscale.StaticLossScale(1024)
+      >>> (loss, aux), grads = grad_fn(loss_scale, jnp.ones(2), jnp.array([1.0, 2.0]))
+      >>> print(loss, aux["norm"], grads)
+      3.0 1.4142135 [1024. 2048.]
+    """
+    if not callable(fun):
+        raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    _check_argnums(argnums)
+
+    def scaled_fun(state, *args, **kwargs):
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    "With `has_aux=True`, `fun` must return a pair `(loss, aux)`;"
+                    f" got {type(out).__name__}."
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        return scaling.scale_loss(loss, state), (loss, aux)
+
+    def grad_fn(loss_scale, *args, **kwargs):
+        state = loss_scale_lib.resolve_loss_scale(loss_scale)
+        if max(_entries(argnums)) >= len(args):
+            raise ValueError(
+                f"`argnums` is {argnums!r} but `fun` was given {len(args)}"
+                " positional argument(s) after the loss scale."
+            )
+        # Shift argnums past the loss-scale state, which is never differentiated.
+        shifted = (
+            argnums + 1
+            if isinstance(argnums, numbers.Integral)
+            else tuple(i + 1 for i in argnums)
+        )
+        (_, (loss, aux)), grads = jax.value_and_grad(
+            scaled_fun, argnums=shifted, has_aux=True
+        )(state, *args, **kwargs)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return grad_fn
+
+
+def _entries(argnums: Any) -> tuple[Any, ...] | None:
+    if isinstance(argnums, numbers.Integral):
+        return (argnums,)
+    if isinstance(argnums, Sequence) and not isinstance(argnums, str):
+        return tuple(argnums)
+    return None
+
+
+def _check_argnums(argnums: Any) -> None:
+    entries = _entries(argnums)
+    if entries is None or not all(
+        isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in entries
+    ):
+        raise TypeError(
+            f"`argnums` must be an int or a sequence of ints, got {argnums!r}."
+        )
+    if not entries:
+        raise ValueError("`argnums` must not be empty.")
+    if any(i < 0 for i in entries):
+        raise ValueError(
+            f"`argnums` must be >= 0 (negative indices are ambiguous once the"
+            f" loss-scale argument is prepended), got {argnums!r}."
+        )

@@ -1,0 +1,364 @@
+"""Flax integrations: linen TrainState, nnx Optimizer, Orbax checkpoints.
+
+The models compute in float16 with float32 parameters and train on scikit-learn's
+digits. Every 40th batch is multiplied by 1e5 so that it overflows float16: those
+steps must be skipped exactly.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from flax.training import train_state as flax_train_state
+
+import lossscale
+import lossscale.flax
+from lossscale.demo import load_digits
+
+STEPS = 240
+BATCH = 128
+OVERFLOW_EVERY = 40
+
+
+@pytest.fixture(scope="module")
+def digits():
+    (x_train, y_train), (x_test, y_test) = load_digits(0)
+    return jnp.asarray(x_train), jnp.asarray(y_train), x_test, y_test
+
+
+def batches(digits, steps=STEPS):
+    x, y = digits[0], digits[1]
+    rng = np.random.default_rng(1)
+    for step in range(steps):
+        index = rng.choice(len(x), BATCH, replace=False)
+        xb = x[index]
+        forced = step % OVERFLOW_EVERY == OVERFLOW_EVERY // 2
+        if forced:
+            xb = xb * 1e5  # inf once cast to float16
+        yield step, forced, xb, y[index]
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels
+    ).mean()
+
+
+def bitwise_equal(a, b):
+    """Like `tree_equal`, but also tells -0.0 from +0.0."""
+    leaves_a, def_a = jax.tree.flatten(a)
+    leaves_b, def_b = jax.tree.flatten(b)
+    return def_a == def_b and all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+# -- linen ---------------------------------------------------------------------
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dense = dict(dtype=jnp.float16, param_dtype=jnp.float32)
+        x = nn.relu(nn.Dense(128, **dense)(x))
+        x = nn.relu(nn.Dense(128, **dense)(x))
+        return nn.Dense(10, **dense)(x)
+
+
+def linen_state(loss_scale="dynamic", tx=None):
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+    return lossscale.flax.TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=tx or optax.adam(1e-3),
+        loss_scale=loss_scale,
+    )
+
+
+@jax.jit
+def linen_step(state, x, y):
+    def loss_fn(params):
+        return cross_entropy(state.apply_fn({"params": params}, x), y)
+
+    loss, grads = lossscale.value_and_grad(loss_fn)(state, state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def linen_accuracy(state, x, y):
+    logits = state.apply_fn({"params": state.params}, jnp.asarray(x))
+    return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
+
+
+def test_linen_train_state_trains_in_float16_and_skips_exactly(digits):
+    state = linen_state()
+    first_loss = None
+    applied = 0
+    for _, forced, x, y in batches(digits):
+        before = state
+        state, loss = linen_step(state, x, y)
+        first_loss = first_loss if first_loss is not None else float(loss)
+        finite = bool(lossscale.metrics(state)["last_finite"])
+        applied += finite
+        if forced:
+            assert not finite
+        if not finite:
+            assert bitwise_equal(state.params, before.params)
+            assert bitwise_equal(state.opt_state, before.opt_state)
+            assert int(state.step) == int(before.step)
+            assert float(state.loss_scale.scale) == max(
+                float(before.loss_scale.scale) / 2, 1.0
+            )
+    assert linen_step._cache_size() == 1
+    assert state.step.dtype == jnp.int32
+    assert int(state.step) == applied == int(state.opt_state[0].count)
+    skipped = int(state.loss_scale.skipped_steps)
+    assert skipped == STEPS - applied >= STEPS // OVERFLOW_EVERY
+    assert float(loss) < 0.25 * first_loss
+    assert linen_accuracy(state, digits[2], digits[3]) > 0.9
+
+
+def test_linen_applied_step_is_the_optimizer_step_on_unscaled_gradients(digits):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    state = linen_state(lossscale.StaticLossScale(1024), tx)
+    plain = flax_train_state.TrainState.create(
+        apply_fn=state.apply_fn, params=state.params, tx=tx
+    )
+    _, _, x, y = next(batches(digits))
+
+    def loss_fn(params):
+        return cross_entropy(state.apply_fn({"params": params}, x), y)
+
+    grads = jax.jit(jax.grad(lambda p: lossscale.scale_loss(loss_fn(p), state)))(
+        state.params
+    )
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+    expected = jax.jit(lambda s, g: s.apply_gradients(grads=g))(
+        plain, lossscale.unscale_grads(grads, 1024)
+    )
+    # A few ulp at most: XLA may contract the unscale multiply into an FMA.
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+        (new.params, new.opt_state),
+        (expected.params, expected.opt_state),
+    )
+    assert int(new.step) == 1
+
+
+def test_linen_skip_keeps_negative_zero_parameters_bitwise():
+    state = lossscale.flax.TrainState.create(
+        apply_fn=None, params={"w": jnp.array([-0.0, 0.0, 1.0])}, tx=optax.sgd(0.1)
+    )
+    new = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 1.0, 1.0])})
+    assert bitwise_equal(new.params, state.params)
+
+
+def test_linen_train_state_refuses_bad_input():
+    with pytest.raises(ValueError, match="wrapped with `lossscale.wrap` already"):
+        linen_state(tx=lossscale.wrap(optax.adam(1e-3)))
+    with pytest.raises(TypeError, match="`tx` must be an optax transformation"):
+        lossscale.flax.TrainState.create(apply_fn=None, params={}, tx="adam")
+    with pytest.raises(ValueError, match="'dynamic'"):
+        linen_state(loss_scale="dynamc")
+    state = lossscale.flax.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match="same tree structure"):
+        state.apply_gradients(grads={"v": jnp.ones(2)})
+    with pytest.raises(TypeError, match="floating-point"):
+        state.apply_gradients(grads={"w": jnp.ones(2, jnp.int32)})
+    with pytest.raises(ValueError, match="fp8"):
+        state.apply_gradients(grads={"_overwrite_with_gradient": {}, "w": 1.0})
+
+
+# -- nnx -----------------------------------------------------------------------
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        dense = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
+        self.layers = nnx.List(
+            [nnx.Linear(64, 128, **dense), nnx.Linear(128, 128, **dense)]
+        )
+        self.head = nnx.Linear(128, 10, **dense)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = nnx.relu(layer(x))
+        return self.head(x)
+
+
+@nnx.jit
+def nnx_step(model, optimizer, x, y):
+    def loss_fn(model):
+        loss = cross_entropy(model(x), y)
+        return lossscale.scale_loss(loss, optimizer), loss
+
+    (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_nnx_optimizer_trains_in_float16_and_skips_exactly(digits):
+    model = NnxMLP(nnx.Rngs(0))
+    optimizer = lossscale.flax.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    first_loss = None
+    applied = 0
+    for _, forced, x, y in batches(digits):
+        params_before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+        inner_before = jax.tree.map(jnp.copy, nnx.as_pure(optimizer.opt_state))
+        step_before = int(optimizer.step[...])
+        scale_before = float(optimizer.loss_scale.scale)
+        loss = nnx_step(model, optimizer, x, y)
+        first_loss = first_loss if first_loss is not None else float(loss)
+        finite = bool(lossscale.metrics(optimizer)["last_finite"])
+        applied += finite
+        if forced:
+            assert not finite
+        if not finite:
+            assert bitwise_equal(nnx.state(model, nnx.Param), params_before)
+            inner_after = nnx.as_pure(optimizer.opt_state).inner_state
+            assert bitwise_equal(inner_after, inner_before.inner_state)
+            assert int(optimizer.step[...]) == step_before
+            assert float(optimizer.loss_scale.scale) == max(scale_before / 2, 1.0)
+    adam_count = nnx.as_pure(optimizer.opt_state).inner_state[0].count
+    assert int(optimizer.step[...]) == applied == int(adam_count)
+    assert int(optimizer.loss_scale.skipped_steps) == STEPS - applied
+    assert applied <= STEPS - STEPS // OVERFLOW_EVERY
+    assert float(loss) < 0.25 * first_loss
+    logits = model(jnp.asarray(digits[2]))
+    assert np.mean(np.argmax(np.asarray(logits), -1) == digits[3]) > 0.9
+
+
+def test_plain_nnx_optimizer_around_wrap_counts_skipped_steps_which_ours_does_not():
+    # Why `lossscale.flax.Optimizer` exists: `nnx.Optimizer` always counts a step.
+    def run(optimizer_cls, tx):
+        model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        optimizer = optimizer_cls(model, tx, wrt=nnx.Param)
+        grads = nnx.grad(lambda m: jnp.sum(m(jnp.full((1, 2), jnp.inf))))(model)
+        optimizer.update(model, grads)
+        return int(optimizer.step[...])
+
+    assert run(nnx.Optimizer, lossscale.wrap(optax.sgd(0.1))) == 1
+    assert run(lossscale.flax.Optimizer, optax.sgd(0.1)) == 0
+
+
+def test_nnx_optimizer_refuses_a_wrapped_tx():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="wrapped already"):
+        lossscale.flax.Optimizer(model, lossscale.wrap(optax.sgd(0.1)), wrt=nnx.Param)
+
+
+# -- Orbax checkpoints ---------------------------------------------------------
+
+
+def save(directory, step, state):
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                loss_scale=ocp.args.JsonSave(lossscale.config(state)),
+            ),
+        )
+        manager.wait_until_finished()
+
+
+def restore(directory, step, target):
+    with ocp.CheckpointManager(directory) as manager:
+        saved = manager.restore(
+            step, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore())
+        ).loss_scale
+        lossscale.check_config(saved, target)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        return manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        ).state
+
+
+def test_resuming_from_a_checkpoint_is_bit_identical(digits, tmp_path):
+    loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**15, growth_interval=7)
+    stop = 60
+    state = linen_state(loss_scale)
+    schedule = list(batches(digits, 120))
+    for step, _, x, y in schedule:
+        if step == stop:
+            save(tmp_path, step, state)
+        state, _ = linen_step(state, x, y)
+
+    resumed = restore(tmp_path, stop, linen_state(loss_scale))
+    assert int(resumed.step) <= stop
+    for _, _, x, y in schedule[stop:]:
+        resumed, _ = linen_step(resumed, x, y)
+
+    # `tx` is a new (equal, not identical) optimizer, so compare the arrays.
+    assert bitwise_equal(jax.tree.leaves(resumed), jax.tree.leaves(state))
+    # The scale moved after the checkpoint, so the loss-scale state was restored,
+    # not re-created.
+    assert int(state.loss_scale.skipped_steps) >= 2
+    assert lossscale.config(resumed) == lossscale.config(loss_scale)
+
+
+@pytest.mark.parametrize(
+    "written, restored, error",
+    [
+        ("dynamic", 1024.0, "tree structures do not match"),
+        ("dynamic", None, "tree structures do not match"),
+        (1024.0, None, "kind: checkpoint 'static', code 'none'"),
+        (1024.0, 512.0, "scale: checkpoint 1024.0, code 512.0"),
+        ("dynamic", lossscale.DynamicLossScale(hysteresis=2), "hysteresis"),
+    ],
+)
+def test_restoring_with_another_loss_scale_is_an_error(
+    tmp_path, written, restored, error
+):
+    save(tmp_path, 0, linen_state(written))
+    target = linen_state(restored)
+    with pytest.raises(ValueError, match=error):
+        # The config check catches what the arrays cannot show; Orbax's own
+        # structure check catches the rest even without the config.
+        if "structures" in error:
+            with ocp.CheckpointManager(tmp_path) as manager:
+                abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+                manager.restore(
+                    0,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
+                )
+        else:
+            restore(tmp_path, 0, target)
+
+
+def test_a_plain_flax_checkpoint_does_not_restore_silently(tmp_path):
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+    plain = flax_train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
+    )
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave(plain)))
+        manager.wait_until_finished()
+    with pytest.raises(ValueError, match="tree structures do not match"):
+        with ocp.CheckpointManager(tmp_path) as manager:
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, linen_state())
+            manager.restore(
+                0, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )
+
+
+def test_migrating_a_checkpoint_to_another_loss_scale(tmp_path):
+    old = linen_state(1024.0)
+    save(tmp_path, 0, old)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        saved = manager.restore(
+            0, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore())
+        ).loss_scale
+    as_written = linen_state(lossscale.from_config(saved))
+    restored = restore(tmp_path, 0, as_written)
+    migrated = restored.replace(loss_scale=lossscale.DynamicLossScale())
+    assert bitwise_equal(migrated.params, old.params)
+    assert lossscale.config(migrated) == lossscale.config("dynamic")

@@ -1,0 +1,116 @@
+"""`lossscale.value_and_grad`: gradients of the scaled loss, the loss unscaled."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale
+
+
+def loss_fn(w, b, x, *, power=2):
+    y = jnp.sum((w * x + b) ** power)
+    return y, {"y": y, "w_norm": jnp.sum(w**2)}
+
+
+W = jnp.array([0.5, -1.5, 2.0])
+B = jnp.array(0.25)
+X = jnp.array([1.0, 2.0, -3.0])
+
+
+@pytest.mark.parametrize("argnums", [0, 1, (0,), (0, 1), (1, 0), [0, 2]])
+def test_gradients_are_those_of_the_scaled_loss_and_the_loss_is_not(argnums):
+    scale = 256.0
+    grad_fn = jax.jit(lossscale.value_and_grad(loss_fn, has_aux=True, argnums=argnums))
+    (loss, aux), grads = grad_fn(lossscale.StaticLossScale(scale), W, B, X, power=3)
+
+    def reference(w, b, x):
+        return scale * loss_fn(w, b, x, power=3)[0]
+
+    jax_argnums = tuple(argnums) if isinstance(argnums, list) else argnums
+    expected_grads = jax.grad(reference, argnums=jax_argnums)(W, B, X)
+    expected_loss, expected_aux = loss_fn(W, B, X, power=3)
+    assert type(grads) is type(expected_grads)
+    for got, want in zip(
+        jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
+    np.testing.assert_allclose(aux["w_norm"], expected_aux["w_norm"], rtol=1e-6)
+
+
+def test_without_aux_returns_loss_and_gradients():
+    grad_fn = lossscale.value_and_grad(lambda w: jnp.sum(w**2))
+    loss, grads = grad_fn(8.0, W)
+    np.testing.assert_allclose(loss, jnp.sum(W**2))
+    np.testing.assert_allclose(grads, 8.0 * 2 * W)
+
+
+def test_the_loss_keeps_its_dtype_while_the_scaled_loss_is_float32():
+    # 57600 fits in float16; times a scale of 4 it would not. `scale_loss`
+    # multiplies in float32, so only the gradient, 4 * 2 * 240, flows back.
+    def f16_loss(w):
+        return jnp.sum(w.astype(jnp.float16)) ** 2
+
+    w = jnp.array([100.0, 100.0, 40.0])
+    loss, grads = lossscale.value_and_grad(f16_loss)(4.0, w)
+    assert loss.dtype == jnp.float16 and float(loss) == 57600.0
+    np.testing.assert_array_equal(grads, np.full(3, 1920.0, np.float32))
+
+
+def test_accepts_an_optimizer_state_and_feeds_a_wrapped_optimizer():
+    tx = lossscale.wrap(optax.sgd(0.5), lossscale.DynamicLossScale(initial_scale=64.0))
+    params = {"w": W}
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = lossscale.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(
+            opt_state, params
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    new_params, _, loss = step(params, opt_state)
+    np.testing.assert_allclose(new_params["w"], W - 0.5 * 2 * W, rtol=1e-6)
+    np.testing.assert_allclose(loss, jnp.sum(W**2))
+
+
+def test_compiles_once_across_scale_changes():
+    grad_fn = jax.jit(lossscale.value_and_grad(lambda w: jnp.sum(w)))
+    state = lossscale.DynamicLossScale()
+    for finite in [True, False, False, True]:
+        grad_fn(state, W)
+        state = lossscale.update(state, jnp.array(finite))
+    assert grad_fn._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"argnums": "0"}, TypeError, "argnums"),
+        ({"argnums": 1.0}, TypeError, "argnums"),
+        ({"argnums": True}, TypeError, "argnums"),
+        ({"argnums": (0, "1")}, TypeError, "argnums"),
+        ({"argnums": ()}, ValueError, "empty"),
+        ({"argnums": -1}, ValueError, ">= 0"),
+        ({"has_aux": 1}, TypeError, "has_aux"),
+    ],
+)
+def test_bad_settings_are_refused_eagerly(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        lossscale.value_and_grad(loss_fn, **kwargs)
+
+
+def test_bad_calls_name_the_problem():
+    with pytest.raises(TypeError, match="callable"):
+        lossscale.value_and_grad(3)
+    with pytest.raises(ValueError, match="1 positional"):
+        lossscale.value_and_grad(loss_fn, argnums=1)(1.0, W)
+    with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`"):
+        lossscale.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(1.0, W)
+    with pytest.raises(ValueError, match="scalar"):
+        lossscale.value_and_grad(lambda w: w)(1.0, W)
+    with pytest.raises(TypeError, match="loss-scale state"):
+        lossscale.value_and_grad(lambda w: jnp.sum(w))(object(), W)
