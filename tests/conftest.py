@@ -2,11 +2,17 @@
 
 import os
 
-import jax
-import numpy as np
-import pytest
-from hypothesis import HealthCheck
-from hypothesis import settings
+# Eight simulated CPU devices for the multi-device tests; set before JAX starts.
+# Other tests use the default device and are unaffected.
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Examples are fixed per run (no flaky CI); jit compiles make timing deadlines moot.
 settings.register_profile(

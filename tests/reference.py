@@ -30,9 +30,18 @@ class ReferenceDynamicRule:
         self.overflows = 0  # since the last growth, never capped
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.forward_overflows = 0
+        self.stuck = False
 
-    def step(self, finite: bool) -> bool:
+    def step(self, finite: bool, loss_finite: bool = True) -> bool:
         """Advances one step; returns whether the update is applied."""
+        self.stuck = False
+        if not loss_finite:
+            # A forward overflow: skipped and counted, the scale rule untouched.
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            self.forward_overflows += 1
+            return False
         if finite:
             self.consecutive_skips = 0
             self.counter += 1
@@ -44,6 +53,7 @@ class ReferenceDynamicRule:
             return True
         self.skipped_steps += 1
         self.consecutive_skips += 1
+        self.stuck = self.scale == self.min_scale
         self.counter = 0
         self.overflows += 1
         if self.overflows >= self.hysteresis:

@@ -39,6 +39,8 @@ def assert_matches_reference(state, reference):
     assert int(state.counter) == reference.counter
     assert int(state.skipped_steps) == reference.skipped_steps
     assert int(state.consecutive_skips) == reference.consecutive_skips
+    assert int(state.forward_overflows) == reference.forward_overflows
+    assert bool(state.stuck) == reference.stuck
 
 
 class DynamicRuleMachine(RuleBasedStateMachine):
@@ -50,10 +52,12 @@ class DynamicRuleMachine(RuleBasedStateMachine):
         self.state = lossscale.DynamicLossScale(**settings)
         self.reference = ReferenceDynamicRule(**settings)
 
-    @rule(finite=st.booleans())
-    def step(self, finite):
-        self.state = jitted_update(self.state, jnp.asarray(finite))
-        self.reference.step(finite)
+    @rule(finite=st.booleans(), loss_finite=st.sampled_from([True, True, False]))
+    def step(self, finite, loss_finite=True):
+        self.state = jitted_update(
+            self.state, jnp.asarray(finite), jnp.asarray(loss_finite)
+        )
+        self.reference.step(finite, loss_finite)
 
     @rule(finite=st.booleans(), count=st.integers(2, 12))
     def run_of_steps(self, finite, count):
@@ -207,7 +211,7 @@ def settings_of(state):
 def test_settings_survive_jit_tree_map_and_flatten(state):
     round_trips = [
         jax.jit(lambda s: s)(state),
-        jax.tree.map(lambda x: x + 0, state),
+        jax.tree.map(lambda x: x.copy(), state),
         jax.tree.unflatten(*reversed(jax.tree.flatten(state))),
         jax.tree_util.tree_map_with_path(lambda _, x: x, state),
         pickle.loads(pickle.dumps(state)),
@@ -227,7 +231,9 @@ def test_leaves_are_scalar_arrays_with_explicit_dtypes(state):
         assert isinstance(leaf, jax.Array), path
         assert leaf.shape == ()
         assert not leaf.weak_type, path
-        expected = jnp.float32 if path[-1].name == "scale" else jnp.int32
+        expected = {"scale": jnp.float32, "stuck": jnp.bool_}.get(
+            path[-1].name, jnp.int32
+        )
         assert leaf.dtype == expected, path
 
 

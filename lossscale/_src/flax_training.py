@@ -45,6 +45,8 @@ class TrainState(train_state.TrainState):
 
     Attributes:
       loss_scale: the loss-scale state (`lossscale.DynamicLossScale`, ...).
+      axis_name: static; the `shard_map`/`pmap` axis (or axes) over which the
+        skip decision is agreed, as in `lossscale.wrap`; None under plain `jit`.
 
     Examples:
       >>> import jax
@@ -72,6 +74,7 @@ class TrainState(train_state.TrainState):
     """
 
     loss_scale: loss_scale_lib.LossScale = struct.field(pytree_node=True)
+    axis_name: Any = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -81,6 +84,7 @@ class TrainState(train_state.TrainState):
         params,
         tx: optax.GradientTransformation,
         loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+        axis_name: scaling.AxisName | None = None,
         **kwargs,
     ) -> TrainState:
         """Creates a train state with `step` 0 and fresh optimizer state.
@@ -93,6 +97,8 @@ class TrainState(train_state.TrainState):
           loss_scale: a loss-scale state, a number (a static scale), `"dynamic"`
             (a default `DynamicLossScale()`) or `None` (no scaling, but non-finite
             steps are still skipped).
+          axis_name: the `shard_map`/`pmap` axis name (or tuple of names) to agree
+            on skips over; None under plain `jax.jit` (see `lossscale.wrap`).
           **kwargs: further fields of a subclass.
 
         Returns:
@@ -110,6 +116,7 @@ class TrainState(train_state.TrainState):
                 f" got {type(tx).__name__}."
             )
         _refuse_overwrite_with_gradient(params, "params")
+        scaling.check_axis_name(axis_name)
         template = loss_scale_lib.as_loss_scale(loss_scale)
         opt_state = tx.init(params)
         if loss_scale_lib.find_loss_scales(opt_state):
@@ -125,6 +132,7 @@ class TrainState(train_state.TrainState):
             tx=tx,
             opt_state=opt_state,
             loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), template),
+            axis_name=axis_name,
             **kwargs,
         )
 
@@ -148,7 +156,9 @@ class TrainState(train_state.TrainState):
         _refuse_overwrite_with_gradient(grads, "grads")
         scaling.check_gradients(grads, self.params)
         current = self.loss_scale
-        grads_finite = scaling.finite_after_unscale(grads, current)
+        grads_finite = scaling.agree(
+            scaling.finite_after_unscale(grads, current), self.axis_name
+        )
 
         def apply_step(operands):
             params, opt_state, grads = operands
@@ -191,6 +201,8 @@ class Optimizer(nnx.Optimizer):
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.
       wrt: the filter of variables to optimise, as for `nnx.Optimizer`.
       loss_scale: a loss-scale state, a number, `"dynamic"` or `None`.
+      axis_name: the `shard_map`/`pmap` axis name to agree on skips over, as in
+        `lossscale.wrap`.
       **kwargs: passed on to `nnx.Optimizer` (e.g. `graph=`).
 
     Raises:
@@ -223,9 +235,11 @@ class Optimizer(nnx.Optimizer):
         *,
         wrt,
         loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+        axis_name: scaling.AxisName | None = None,
         **kwargs,
     ):
-        super().__init__(model, wrapper.wrap(tx, loss_scale), wrt=wrt, **kwargs)
+        tx = wrapper.wrap(tx, loss_scale, axis_name=axis_name)
+        super().__init__(model, tx, wrt=wrt, **kwargs)
 
     @property
     def loss_scale(self) -> loss_scale_lib.LossScale:

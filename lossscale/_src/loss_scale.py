@@ -33,7 +33,12 @@ class LossScale:
     * `skipped_steps`: int32 scalar, the number of steps whose gradients were
       not finite since the state was created (saturates at 2**31 - 1);
     * `consecutive_skips`: int32 scalar, the number of such steps in a row up
-      to the latest one (0 when the latest step was finite).
+      to the latest one (0 when the latest step was finite);
+    * `forward_overflows`: int32 scalar, how many of the skipped steps had a
+      non-finite loss (an overflow in the forward pass, which no loss scale can
+      fix; see `lossscale.update`'s `loss_finite`);
+    * `stuck`: bool scalar, whether the latest step overflowed in the backward
+      pass at the lowest scale this state can reach, so backing off could not help.
 
     States are immutable; `lossscale.update` returns the next one.
 
@@ -43,14 +48,16 @@ class LossScale:
       True
     """
 
-    __slots__ = ("skipped_steps", "consecutive_skips")
+    __slots__ = ("skipped_steps", "consecutive_skips", "forward_overflows", "stuck")
 
     # Names of the array leaves and of the static settings, in flattening order.
-    _array_fields: ClassVar[tuple[str, ...]] = ("skipped_steps", "consecutive_skips")
+    _array_fields: ClassVar[tuple[str, ...]] = __slots__
     _setting_fields: ClassVar[tuple[str, ...]] = ()
 
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    forward_overflows: jax.Array
+    stuck: jax.Array
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -103,6 +110,8 @@ class LossScale:
     def _init_counters(self):
         object.__setattr__(self, "skipped_steps", jnp.zeros([], jnp.int32))
         object.__setattr__(self, "consecutive_skips", jnp.zeros([], jnp.int32))
+        object.__setattr__(self, "forward_overflows", jnp.zeros([], jnp.int32))
+        object.__setattr__(self, "stuck", jnp.zeros([], jnp.bool_))
 
     def __reduce__(self):
         # Pickle and deepcopy through the pytree fields: the default protocol would
@@ -138,19 +147,27 @@ class LossScale:
         """The smallest scale this state can ever have (a static bound)."""
         raise NotImplementedError
 
-    def _updated(self, grads_finite: jax.Array) -> LossScale:
+    def _updated(self, grads_finite: jax.Array, loss_finite: jax.Array) -> LossScale:
         """The next state; subclasses extend it with their own leaves."""
+        applied = grads_finite & loss_finite
+        backward_overflow = loss_finite & ~grads_finite
         return self._replace(
             skipped_steps=jnp.where(
-                grads_finite,
+                applied,
                 self.skipped_steps,
                 optax.safe_increment(self.skipped_steps),
             ),
             consecutive_skips=jnp.where(
-                grads_finite,
+                applied,
                 jnp.zeros([], jnp.int32),
                 optax.safe_increment(self.consecutive_skips),
             ),
+            forward_overflows=jnp.where(
+                loss_finite,
+                self.forward_overflows,
+                optax.safe_increment(self.forward_overflows),
+            ),
+            stuck=backward_overflow & (self.scale <= self._lowest_scale),
         )
 
 
@@ -237,6 +254,9 @@ class DynamicLossScale(LossScale):
       non-finite steps have happened since the last growth, every further one backs
       off, `scale = max(scale * backoff_factor, min_scale)` (Megatron-LM's
       hysteresis).
+    * non-finite loss (a forward overflow, reported with `lossscale.update`'s
+      `loss_finite`): the update is skipped and counted, but the scale, `counter`
+      and `overflows_since_growth` stay as they are: the scale did not cause it.
 
     The scale stays within `[min_scale, max_scale]`: it never becomes 0, inf or NaN.
     The rule computes in float32, and float settings are kept (and shown) as the
@@ -261,6 +281,10 @@ class DynamicLossScale(LossScale):
         growth, capped at `hysteresis`.
       skipped_steps: int32 scalar array, non-finite (skipped) steps in total.
       consecutive_skips: int32 scalar array, non-finite steps in a row.
+      forward_overflows: int32 scalar array, skipped steps whose loss was not
+        finite.
+      stuck: bool scalar array, whether the latest step overflowed in the
+        backward pass at `min_scale`.
 
     Raises:
       TypeError: if a setting has the wrong type.
@@ -359,7 +383,23 @@ class DynamicLossScale(LossScale):
     def _lowest_scale(self) -> float:
         return self.min_scale
 
-    def _updated(self, grads_finite: jax.Array) -> LossScale:
+    def _updated(self, grads_finite: jax.Array, loss_finite: jax.Array) -> LossScale:
+        updated = self._backward_rule(grads_finite)
+        # A forward overflow leaves the rule's leaves as they were.
+        kept = jax.tree.map(
+            lambda new, old: jnp.where(loss_finite, new, old), updated, self
+        )
+        return (
+            super()
+            ._updated(grads_finite, loss_finite)
+            ._replace(
+                scale=kept.scale,
+                counter=kept.counter,
+                overflows_since_growth=kept.overflows_since_growth,
+            )
+        )
+
+    def _backward_rule(self, grads_finite: jax.Array) -> DynamicLossScale:
         counter = self.counter + 1
         grow = grads_finite & (counter >= self.growth_interval)
         overflows = jnp.where(
@@ -372,14 +412,10 @@ class DynamicLossScale(LossScale):
         grown = jnp.minimum(self.scale * self.growth_factor, self.max_scale)
         backed_off = jnp.maximum(self.scale * self.backoff_factor, self.min_scale)
         scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, self.scale))
-        return (
-            super()
-            ._updated(grads_finite)
-            ._replace(
-                scale=scale.astype(jnp.float32),
-                counter=jnp.where(grads_finite & ~grow, counter, 0).astype(jnp.int32),
-                overflows_since_growth=overflows,
-            )
+        return self._replace(
+            scale=scale.astype(jnp.float32),
+            counter=jnp.where(grads_finite & ~grow, counter, 0).astype(jnp.int32),
+            overflows_since_growth=overflows,
         )
 
 
@@ -387,24 +423,34 @@ LossScaleLike = LossScale | float | int | str | None
 """A loss-scale state, a number (static scale), `"dynamic"` or `None` (no-op)."""
 
 
-def update(loss_scale: LossScale, grads_finite: jax.typing.ArrayLike) -> LossScale:
+def update(
+    loss_scale: LossScale,
+    grads_finite: jax.typing.ArrayLike,
+    loss_finite: jax.typing.ArrayLike = True,
+) -> LossScale:
     """Returns the next loss-scale state after a step.
 
     Usable inside `jax.jit`; branch-free. For a `DynamicLossScale` this applies
-    the growth/back-off rule; every kind counts skipped steps.
+    the growth/back-off rule; every kind counts skipped steps. The step is applied
+    when both `grads_finite` and `loss_finite` hold; the caller must skip it
+    otherwise.
 
     Args:
       loss_scale: the current loss-scale state.
       grads_finite: boolean scalar, whether every gradient of the step was finite
-        (see `lossscale.all_finite`). When False the caller must skip the update.
+        (see `lossscale.all_finite`).
+      loss_finite: boolean scalar, whether the (unscaled) loss was finite. A
+        non-finite loss is an overflow in the forward pass: lowering the scale
+        cannot fix it, so the scale does not back off, and the step is counted
+        in `forward_overflows`.
 
     Returns:
       The next loss-scale state, with the same settings and tree structure.
 
     Raises:
-      TypeError: if `loss_scale` is not a loss-scale state or `grads_finite` is
-        not boolean.
-      ValueError: if `grads_finite` is not a scalar.
+      TypeError: if `loss_scale` is not a loss-scale state or `grads_finite` or
+        `loss_finite` is not boolean.
+      ValueError: if `grads_finite` or `loss_finite` is not a scalar.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -421,7 +467,10 @@ def update(loss_scale: LossScale, grads_finite: jax.typing.ArrayLike) -> LossSca
             f" {type(loss_scale).__name__}. To read one out of an optimizer state,"
             " use `lossscale.get_loss_scale(opt_state)`."
         )
-    return loss_scale._updated(as_predicate("grads_finite", grads_finite))
+    return loss_scale._updated(
+        as_predicate("grads_finite", grads_finite),
+        as_predicate("loss_finite", loss_finite),
+    )
 
 
 def as_predicate(name: str, value: jax.typing.ArrayLike) -> jax.Array:

@@ -25,8 +25,15 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
 
       * `loss_scale`: float32, the current scale;
       * `skipped_steps`: int32, non-finite (skipped) steps in total;
+      * `forward_overflows`: int32, skipped steps whose loss was not finite
+        (reported with `value=` to `wrap`'s update);
+      * `backward_overflows`: int32, skipped steps with a finite loss but
+        non-finite gradients (the ones a lower scale can fix);
       * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
-      * `last_finite`: bool, whether the latest step was applied.
+      * `last_finite`: bool, whether the latest step was applied;
+      * `stuck`: bool, whether the latest step overflowed in the backward pass
+        with the scale already at its lowest (`min_scale`, or a static scale):
+        backing off cannot help, and a training loop can stop cleanly on it.
 
     Raises:
       ValueError: if no loss-scale state, or more than one, is found.
@@ -40,18 +47,24 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       ...     print(name, value)
       loss_scale 32768.0
       skipped_steps 0
+      forward_overflows 0
+      backward_overflows 0
       consecutive_skips 0
       last_finite True
+      stuck False
     """
     state = loss_scale_lib.get_loss_scale(opt_state_or_loss_scale)
     # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
-    scale = jnp.asarray(state.scale)
     skipped_steps = jnp.asarray(state.skipped_steps)
+    forward_overflows = jnp.asarray(state.forward_overflows)
     consecutive_skips = jnp.asarray(state.consecutive_skips)
     return {
-        "loss_scale": scale,
+        "loss_scale": jnp.asarray(state.scale),
         "skipped_steps": skipped_steps,
+        "forward_overflows": forward_overflows,
+        "backward_overflows": skipped_steps - forward_overflows,
         "consecutive_skips": consecutive_skips,
         # Derived, not stored: the latest step was applied iff no skip is pending.
         "last_finite": consecutive_skips == jnp.zeros([], jnp.int32),
+        "stuck": jnp.asarray(state.stuck),
     }

@@ -80,7 +80,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     return unscale(grads, state)
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
     """Returns True when every element of every leaf of `tree` is finite.
 
     One reduction per leaf, reading each leaf once: `sum(x - x)` is 0 when `x` is
@@ -88,21 +88,37 @@ def all_finite(tree: Any) -> jax.Array:
     `jnp.all(jnp.isfinite(x))` makes XLA:CPU write a byte per element first).
     Integer and boolean leaves are always finite; `None` leaves are ignored.
 
+    Under `jax.jit` with sharded arrays the result is already global: the
+    reductions are over whole arrays, and XLA adds the cross-device reduction.
+    Inside `shard_map` or `pmap` each device sees only its own shards; pass the
+    mapped axis as `axis_name` to get one answer, the same on every device.
+
     Args:
       tree: any pytree of arrays.
+      axis_name: a mapped axis name (or tuple of names) of `shard_map`/`pmap` to
+        agree over: True only if every device's tree is finite.
 
     Returns:
       A boolean scalar array.
 
+    Raises:
+      TypeError: if `axis_name` is not a string or a tuple of strings.
+
     Examples:
+      >>> import jax
       >>> import jax.numpy as jnp
       >>> import lossscale
       >>> print(lossscale.all_finite({"a": jnp.ones(3), "b": jnp.float16(2.0)}))
       True
       >>> print(lossscale.all_finite({"a": jnp.ones(3), "b": jnp.array(jnp.nan)}))
       False
+      >>> x = jnp.array([[1.0], [jnp.inf]])  # one row per device of a pmap
+      >>> print(jax.vmap(lambda r: lossscale.all_finite(r, axis_name="i"),
+      ...                axis_name="i")(x))
+      [False False]
     """
-    return _all_finite_leaves(jax.tree.leaves(tree))
+    check_axis_name(axis_name)
+    return agree(_all_finite_leaves(jax.tree.leaves(tree)), axis_name)
 
 
 def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
@@ -158,6 +174,34 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
 
 # -- shared with the optax wrapper ------------------------------------------------
 
+AxisName = str | tuple[str, ...]
+
+
+def check_axis_name(axis_name: Any) -> None:
+    """Raises `TypeError` unless `axis_name` is None, a str or a tuple of str."""
+    if axis_name is None or isinstance(axis_name, str):
+        return
+    if (
+        isinstance(axis_name, tuple)
+        and axis_name
+        and all(isinstance(name, str) for name in axis_name)
+    ):
+        return
+    raise TypeError(
+        "`axis_name` must be None, a mapped axis name (a str) or a non-empty tuple"
+        f" of them, got {axis_name!r}."
+    )
+
+
+def agree(flags: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    """Boolean flags, True only where they hold on every device of `axis_name`.
+
+    Several flags go in one array, so they cost one scalar collective together.
+    """
+    if axis_name is None:
+        return flags
+    return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1
+
 
 def unscale(grads: Any, state: loss_scale_lib.LossScale) -> Any:
     """`unscale_grads` for checked gradients and a resolved state."""
@@ -210,6 +254,11 @@ def finite_after_unscale(grads: Any, state: loss_scale_lib.LossScale) -> jax.Arr
     return _all_finite_leaves(leaves)
 
 
+def loss_is_finite(value: Any) -> jax.Array:
+    """Whether the loss `value` (a float scalar) is finite; checks its type."""
+    return jnp.isfinite(_check_loss(value, "value"))
+
+
 def _unscaled_or_inf(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
     """The unscaled leaf in float32 or wider, inf where `grad`'s dtype overflows."""
     value = _unscale_wide(grad, inverse_scale)
@@ -260,22 +309,23 @@ def _inverse(scale: jax.Array) -> jax.Array:
     return jnp.ones([], jnp.float32) / scale
 
 
-def _check_loss(loss: Any) -> jax.Array:
+def _check_loss(loss: Any, name: str = "loss") -> jax.Array:
     dtype = getattr(loss, "dtype", None)
     if dtype is None:
         if isinstance(loss, float):
             return jnp.asarray(loss, jnp.float32)
         raise TypeError(
-            f"`loss` must be a floating-point scalar array, got {type(loss).__name__}."
+            f"`{name}` must be a floating-point scalar array, got"
+            f" {type(loss).__name__}."
         )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
-            f"`loss` must be floating point, got dtype {dtype}. Gradients of an"
+            f"`{name}` must be floating point, got dtype {dtype}. Gradients of an"
             " integer loss are zero; compute the loss in floating point."
         )
     if getattr(loss, "shape", ()) != ():
         raise ValueError(
-            f"`loss` must be a scalar, got shape {tuple(loss.shape)}. Reduce it"
+            f"`{name}` must be a scalar, got shape {tuple(loss.shape)}. Reduce it"
             " first, e.g. with `jnp.mean`."
         )
     return jnp.asarray(loss)

@@ -39,6 +39,8 @@ class WrapState(NamedTuple):
 def wrap(
     inner: optax.GradientTransformation,
     loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+    *,
+    axis_name: scaling.AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with loss scaling.
 
@@ -58,22 +60,37 @@ def wrap(
 
     Steps with non-finite gradients are skipped with every kind of loss scale,
     static and no-op included (TF's `FixedLossScale` applies them instead).
+
+    Pass the unscaled loss as `update(..., value=loss)` to tell overflows in the
+    forward pass from those in the backward pass: a non-finite `value` skips the
+    step without backing off the scale (a lower scale cannot fix the forward
+    pass), and `lossscale.metrics` counts the two kinds apart. `value` is passed on
+    to `inner` like any extra argument.
+
+    Under `jax.jit` with sharded arrays the decision is global as it is. Inside
+    `shard_map` or `pmap`, where each device holds its own gradients (or shards of
+    them), pass the mapped axis as `axis_name`: the decision is then reduced over
+    it (one scalar collective), so one device's overflow makes every device skip,
+    and every device keeps the same loss-scale state.
     Anything placed inside `inner`, such as `optax.clip_by_global_norm`, sees the
     true (unscaled) gradients. The result composes with `optax.chain`,
     `optax.MultiSteps` and `optax.inject_hyperparams`; extra arguments of `update`
     are passed on to `inner`.
 
     Args:
-      inner: the optax transformation to wrap.
+      inner: the optax transformation to wrap (an `optax.MultiSteps` is taken
+        as its `gradient_transformation()`).
       loss_scale: a loss-scale state, a number (a static scale), `"dynamic"` (a
         default `DynamicLossScale()`) or `None` (no scaling).
+      axis_name: a `shard_map`/`pmap` axis name (or tuple of names) to agree on
+        the skip decision over; None under plain `jax.jit`.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `WrapState`.
 
     Raises:
-      TypeError: if `inner` is not an optax transformation or `loss_scale` is not
-        one of the above.
+      TypeError: if `inner` is not an optax transformation, `loss_scale` is not
+        one of the above, or `axis_name` is not a str or a tuple of str.
       ValueError: if `loss_scale` is an unknown string or an invalid number. The
         transformation's `init` raises `ValueError` if `inner` is already wrapped;
         its `update` raises `TypeError` for non-float gradients and `ValueError`
@@ -97,6 +114,8 @@ def wrap(
       >>> print(params)
       0.5
     """
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             "`inner` must be an optax transformation (e.g. `optax.adam(1e-3)`), got"
@@ -104,6 +123,7 @@ def wrap(
         )
     inner = optax.with_extra_args_support(inner)
     template = loss_scale_lib.as_loss_scale(loss_scale)
+    scaling.check_axis_name(axis_name)
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -124,7 +144,16 @@ def wrap(
             )
         scaling.check_gradients(updates, params)
         current = state.loss_scale
-        grads_finite = scaling.finite_after_unscale(updates, current)
+        value = extra_args.get("value")
+        loss_finite = (
+            jnp.asarray(True) if value is None else scaling.loss_is_finite(value)
+        )
+        # One collective for both flags, when there is one.
+        grads_finite, loss_finite = scaling.agree(
+            jnp.stack([scaling.finite_after_unscale(updates, current), loss_finite]),
+            axis_name,
+        )
+        applied = grads_finite & loss_finite
 
         def apply_step(operands):
             grads, inner_state, params = operands
@@ -145,17 +174,17 @@ def wrap(
             _, inner_state, _ = operands
             # Negative zeros: `p + (-0.0)` is `p` bit for bit, even for p = -0.0
             # (with +0.0 it would come back +0.0), so applying them changes nothing.
-            zeros = jax.tree.map(
-                lambda t: jnp.full(t.shape, -0.0, t.dtype), applied_types[0]
-            )
+            # `full_like` of the applied types also keeps their `shard_map` typing
+            # (which axes the values vary over).
+            zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), applied_types[0])
             return zeros, inner_state
 
         check_same_types(applied_types[1], state.inner_state)
         new_updates, new_inner_state = jax.lax.cond(
-            grads_finite, apply_step, skip_step, operands
+            applied, apply_step, skip_step, operands
         )
         return new_updates, WrapState(
-            loss_scale=loss_scale_lib.update(current, grads_finite),
+            loss_scale=loss_scale_lib.update(current, grads_finite, loss_finite),
             inner_state=new_inner_state,
         )
 
