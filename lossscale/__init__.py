@@ -10,6 +10,7 @@ from lossscale._src.config import check_config
 from lossscale._src.config import config
 from lossscale._src.config import from_config
 from lossscale._src.grad import value_and_grad
+from lossscale._src.grad_stats import grad_stats
 from lossscale._src.loss_scale import DynamicLossScale
 from lossscale._src.loss_scale import LossScale
 from lossscale._src.loss_scale import LossScaleLike
@@ -39,6 +40,7 @@ __all__ = (
     "config",
     "from_config",
     "get_loss_scale",
+    "grad_stats",
     "metrics",
     "scale_loss",
     "select_tree",

@@ -1,4 +1,8 @@
-"""The demo (the README's first command) trains for real and shows underflow."""
+"""The demo (the README's first command): float16 underflow is real, and fixed.
+
+Tolerance, stated: after 600 full-batch steps the float16 run with dynamic loss
+scaling must be within 0.03 test accuracy of the float32 run.
+"""
 
 import pytest
 
@@ -7,18 +11,35 @@ pytest.importorskip("sklearn")
 from lossscale import demo  # noqa: E402
 
 
-def test_demo_float16_with_loss_scaling_matches_float32_and_stops_underflow(capsys):
-    results = demo.main(["--steps", "150"])
+def test_demo_float16_with_loss_scaling_matches_float32_where_float16_fails(
+    capsys, tmp_path
+):
+    plot = tmp_path / "demo.png"
+    results = demo.main(["--steps", "600", "--plot", str(plot)])
     float32 = results["float32"]
     unscaled = results["float16, no loss scaling"]
     scaled = results["float16, dynamic loss scaling"]
-    assert float32["accuracy"] > 0.9  # the model really learns
-    assert abs(scaled["accuracy"] - float32["accuracy"]) <= 0.02
-    # float16 without scaling loses gradient elements that float32 keeps; the
-    # loss scale brings them back.
-    assert unscaled["underflow"] > 0.005
-    assert scaled["underflow"] < unscaled["underflow"] / 10
-    assert float32["losses"][-20:].mean() < float32["losses"][:20].mean() / 5
+
+    assert float32["accuracy"] > 0.8  # the model really learns
+    assert abs(scaled["accuracy"] - float32["accuracy"]) <= 0.03
+    assert scaled["final_loss"] < 1.2 * float32["final_loss"]
+    # Without scaling, float16 loses the lower layers' gradients: a large share
+    # of the elements float32 has are exactly zero, and training stalls.
+    assert unscaled["underflow"] > 0.3
+    assert unscaled["zero_fraction"][-100:].mean() > 0.3
+    assert unscaled["accuracy"] < 0.3
+    assert scaled["underflow"] < 0.01
+    assert scaled["zero_fraction"].max() < 2 * float32["zero_fraction"].max() + 0.01
+    assert scaled["skipped_steps"] == 0 and scaled["loss_scale"] == 2.0**15
+
     printed = capsys.readouterr().out
     for name in results:
         assert name in printed
+    if "plot saved" in printed:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_refuses_a_bad_step_count(capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err

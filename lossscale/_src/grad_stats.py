@@ -1,0 +1,119 @@
+"""Gradient-range diagnostics: how close gradients sit to float16's limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale._src import loss_scale as loss_scale_lib
+
+_FLOAT16 = np.finfo(np.float16)
+# Nonzero magnitudes below the smallest subnormal (2**-24) are lost in float16.
+_SMALLEST_SUBNORMAL = float(_FLOAT16.smallest_subnormal)
+# Magnitudes at or above max + ulp/2 (65520) round to inf in float16.
+_OVERFLOW_THRESHOLD = (
+    float(_FLOAT16.max) + 2.0 ** (_FLOAT16.maxexp - 1) * float(_FLOAT16.eps) / 2
+)
+
+
+def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
+    """Returns where the gradients sit in float16's range, at a loss scale.
+
+    Pass the true (unscaled) gradients, e.g. float32 gradients of a float32 probe
+    step, or `lossscale.unscale_grads` of a float16 step. Each value `g` is looked
+    at as `|g| * scale` would be in float16. Usable under `jax.jit`: every figure
+    is an array and nothing is copied to the host.
+
+    Args:
+      grads: a pytree of floating-point gradients.
+      loss_scale: the scale to evaluate at: a loss-scale state, a number,
+        `"dynamic"`, `None` (scale 1) or an optimizer state holding one.
+
+    Returns:
+      A dict with the overall figures and, under `"leaves"`, the same figures per
+      leaf, keyed by the leaf's path (`jax.tree_util.keystr`):
+
+      * `max_abs`: float32, the largest `|g|` (unscaled; inf or NaN if any is);
+      * `zero_fraction`: float32, share of elements exactly zero;
+      * `underflow_fraction`: share of elements that are non-zero but have
+        `|g| * scale` below float16's smallest subnormal, 2**-24: lost to zero in
+        float16;
+      * `overflow_fraction`: share of elements with `|g| * scale` at or above
+        65520 (rounds to inf in float16), non-finite elements included;
+      * `headroom_bits`: `log2(65504 / (max_abs * scale))`, the doublings of the
+        scale left before the largest gradient overflows float16 (negative when
+        it already does; inf for an all-zero tree).
+
+    Raises:
+      TypeError: if a leaf is not floating point.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> grads = {"w": jnp.array([1e-9, 0.0, 2.0, 3e-6])}
+      >>> stats = lossscale.grad_stats(grads)
+      >>> print(stats["zero_fraction"], stats["underflow_fraction"])
+      0.25 0.25
+      >>> stats = lossscale.grad_stats(grads, 1024)
+      >>> print(stats["underflow_fraction"], round(float(stats["headroom_bits"]), 3))
+      0.0 4.999
+    """
+    state = loss_scale_lib.resolve_loss_scale(loss_scale)
+    scale = jnp.asarray(state.scale, jnp.float32)
+    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
+    per_leaf = {}
+    totals = []
+    for path, leaf in paths_and_leaves:
+        leaf = jnp.asarray(leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(
+                "`grad_stats` takes floating-point gradients; the leaf at"
+                f" {jax.tree_util.keystr(path) or '<root>'} has dtype {leaf.dtype}."
+            )
+        counts = _leaf_counts(leaf, scale)
+        totals.append(counts)
+        per_leaf[jax.tree_util.keystr(path) or "<root>"] = _figures(counts, scale)
+    if totals:
+        overall = {
+            key: (
+                jnp.max(jnp.stack([c[key] for c in totals]))
+                if key == "max_abs"
+                else sum(c[key] for c in totals)
+            )
+            for key in totals[0]
+        }
+    else:
+        overall = _leaf_counts(jnp.zeros([0], jnp.float32), scale)
+    return {**_figures(overall, scale), "leaves": per_leaf}
+
+
+def _leaf_counts(leaf: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
+    magnitude = jnp.abs(leaf.astype(jnp.float32))
+    scaled = magnitude * scale
+    zero = magnitude == 0
+    return {
+        "size": jnp.asarray(leaf.size, jnp.float32),
+        # NaN must show in the maximum: `jnp.max` propagates it.
+        "max_abs": jnp.max(magnitude, initial=-jnp.inf),
+        "zeros": jnp.sum(zero, dtype=jnp.float32),
+        "underflows": jnp.sum(
+            ~zero & (scaled < _SMALLEST_SUBNORMAL), dtype=jnp.float32
+        ),
+        # Written so that NaN counts too.
+        "overflows": jnp.sum(~(scaled < _OVERFLOW_THRESHOLD), dtype=jnp.float32),
+    }
+
+
+def _figures(counts: dict[str, jax.Array], scale: jax.Array) -> dict[str, jax.Array]:
+    size = jnp.maximum(counts["size"], 1.0)
+    max_abs = jnp.maximum(counts["max_abs"], 0.0)
+    return {
+        "max_abs": max_abs,
+        "zero_fraction": counts["zeros"] / size,
+        "underflow_fraction": counts["underflows"] / size,
+        "overflow_fraction": counts["overflows"] / size,
+        "headroom_bits": jnp.log2(jnp.float32(_FLOAT16.max) / (max_abs * scale)),
+    }
