@@ -72,6 +72,7 @@ def wrap(
     them), pass the mapped axis as `axis_name`: the decision is then reduced over
     it (one scalar collective), so one device's overflow makes every device skip,
     and every device keeps the same loss-scale state.
+
     Anything placed inside `inner`, such as `optax.clip_by_global_norm`, sees the
     true (unscaled) gradients. The result composes with `optax.chain`,
     `optax.MultiSteps` and `optax.inject_hyperparams`; extra arguments of `update`
