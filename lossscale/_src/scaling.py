@@ -85,7 +85,8 @@ def all_finite(tree: Any, axis_name: AxisName | None = None) -> jax.Array:
 
     One reduction per leaf, reading each leaf once: `sum(x - x)` is 0 when `x` is
     finite and NaN otherwise, and unlike a plain sum it cannot overflow (where
-    `jnp.all(jnp.isfinite(x))` makes XLA:CPU write a byte per element first).
+    `jnp.all(jnp.isfinite(x))` makes XLA:CPU write a byte per element first; for
+    16-bit leaves that byte is the cheaper of the two, so they use it).
     Integer and boolean leaves are always finite; `None` leaves are ignored.
 
     Under `jax.jit` with sharded arrays the result is already global: the
@@ -280,12 +281,16 @@ def _all_finite_leaves(leaves: list[Any]) -> jax.Array:
         leaf = jnp.asarray(leaf)
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             continue
-        # `w - w` is 0 where `w` is finite and NaN elsewhere, and a sum of zeros
+        if leaf.dtype.itemsize < 4:
+            # XLA:CPU's reduction fusion takes neither 16-bit arithmetic nor a
+            # convert, so any float form materialises a float32 copy (4 bytes per
+            # element); `isfinite` writes 1 byte per element instead.
+            checks.append(jnp.all(jnp.isfinite(leaf)))
+            continue
+        # `x - x` is 0 where `x` is finite and NaN elsewhere, and a sum of zeros
         # cannot overflow. Unlike `x * 0` it has no broadcast constant, which
-        # XLA:CPU's reduction fusion would materialise as a whole array; widening
-        # 16-bit floats first lets that fusion take the convert too.
-        wide = leaf.astype(_at_least_float32(leaf.dtype))
-        checks.append(jnp.isfinite(jnp.sum(wide - wide)))
+        # XLA:CPU's reduction fusion would materialise as a whole array.
+        checks.append(jnp.isfinite(jnp.sum(leaf - leaf)))
     return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
 
 

@@ -1,0 +1,260 @@
+"""Optimizer step alone: lossscale against plain Adam and the peers, in one process.
+
+    pip install -e ".[bench]"
+    python benchmarks/optimizer_step.py [--sizes 1M,10M,50M] [--steps 30]
+
+Every variant takes the gradients of a scaled loss (float32 or float16 leaves, about
+50 leaves) and returns new parameters and state, jit-compiled with donated buffers.
+Its time is measured interleaved with plain `optax.adam` (the baseline), so the
+ratios come from one run on one machine. XLA's `cost_analysis()` and
+`memory_analysis()` figures of the compiled step are deterministic. A peer that
+fails to import, compile or run is reported as failed, with the reason, not dropped.
+Results: a table on stdout, and `benchmarks/results/optimizer_step.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import lossscale  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import report  # noqa: E402
+
+LR = 1e-3
+SCALE = 2.0**15
+
+
+# -- the variants: each returns (step, state); step(params, state, grads) ---------
+
+
+def plain_adam(params):
+    tx = optax.adam(LR)
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, tx.init(params)
+
+
+def lossscale_wrap(loss_scale):
+    def make(params):
+        tx = lossscale.wrap(optax.adam(LR), loss_scale)
+
+        def step(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step, tx.init(params)
+
+    return make
+
+
+def lossscale_train_state(params):
+    # The whole-step path: the update is applied inside the cond, so only the
+    # new params and optimizer state cross it.
+    import lossscale.flax
+
+    state = lossscale.flax.TrainState.create(
+        apply_fn=None, params=params, tx=optax.adam(LR)
+    )
+
+    def step(params, state, grads):
+        state = state.replace(params=params).apply_gradients(grads=grads)
+        return state.params, state.replace(params=None)
+
+    return step, state.replace(params=None)
+
+
+def optax_apply_if_finite(params):
+    # optax has no loss scaling: unscale by the (static) scale, then skip.
+    tx = optax.apply_if_finite(optax.adam(LR), max_consecutive_errors=10**6)
+
+    def step(params, opt_state, grads):
+        grads = jax.tree.map(lambda g: g / SCALE, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, tx.init(params)
+
+
+def jmp_dynamic(params):
+    import jmp
+
+    tx = optax.adam(LR)
+
+    def step(params, state, grads):
+        # As jmp's README: unscale, check, adjust, select_tree over both trees.
+        opt_state, loss_scale = state
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        loss_scale = loss_scale.adjust(finite)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
+        return params, (opt_state, loss_scale)
+
+    return step, (tx.init(params), jmp.DynamicLossScale(jnp.float32(SCALE)))
+
+
+def flax_dynamic_scale(params):
+    from flax.training import train_state
+    from flax.training.dynamic_scale import DynamicScale
+
+    state = train_state.TrainState.create(
+        apply_fn=None, params=params, tx=optax.adam(LR)
+    )
+
+    def step(params, carry, grads):
+        # Flax's recipe: DynamicScale.value_and_grad of a loss whose gradient is
+        # the given one (a dot product), apply_gradients, then a select over
+        # params and optimizer state.
+        state, dynamic_scale = carry
+        state = state.replace(params=params)
+
+        def loss_fn(p):
+            return sum(
+                jnp.vdot(a.astype(jnp.float32), jax.lax.stop_gradient(g) / SCALE)
+                for a, g in zip(jax.tree.leaves(p), jax.tree.leaves(grads), strict=True)
+            )
+
+        dynamic_scale, is_finite, _, new_grads = dynamic_scale.value_and_grad(loss_fn)(
+            state.params
+        )
+        new_state = state.apply_gradients(grads=new_grads)
+        select = lambda a, b: jnp.where(is_finite, a, b)  # noqa: E731
+        new_state = new_state.replace(
+            opt_state=jax.tree.map(select, new_state.opt_state, state.opt_state),
+            params=jax.tree.map(select, new_state.params, state.params),
+        )
+        return new_state.params, (new_state.replace(params=None), dynamic_scale)
+
+    carry = (
+        state.replace(params=None),
+        DynamicScale(scale=jnp.float32(SCALE), fin_steps=jnp.int32(0)),
+    )
+    return step, carry
+
+
+def keras_loss_scale_optimizer(params):
+    import keras
+
+    leaves, treedef = jax.tree.flatten(params)
+    variables = [keras.Variable(leaf) for leaf in leaves]
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(LR), initial_scale=SCALE
+    )
+    optimizer.build(variables)
+
+    def step(params, optimizer_variables, grads):
+        new_leaves, optimizer_variables = optimizer.stateless_apply(
+            optimizer_variables, jax.tree.leaves(grads), jax.tree.leaves(params)
+        )
+        return jax.tree.unflatten(treedef, new_leaves), optimizer_variables
+
+    return step, [v.value for v in optimizer.variables]
+
+
+def mpx_dynamic(params):
+    import mpx
+
+    tx = optax.adam(LR)
+
+    def step(params, state, grads):
+        # As mpx's filter_value_and_grad + optimizer_update.
+        opt_state, scaling = state
+        finite = mpx.all_finite(grads)
+        scaling = scaling.adjust(finite)
+        grads = scaling.unscale(grads)
+        params, opt_state = mpx.optimizer_update(params, tx, opt_state, grads, finite)
+        return params, (opt_state, scaling)
+
+    scaling = mpx.DynamicLossScaling(
+        loss_scaling=jnp.float32(SCALE), min_loss_scaling=jnp.float32(1.0)
+    )
+    return step, (tx.init(params), scaling)
+
+
+VARIANTS = {
+    "optax.adam (baseline)": plain_adam,
+    "lossscale.wrap(adam), dynamic": lossscale_wrap("dynamic"),
+    "lossscale.wrap(adam), static": lossscale_wrap(SCALE),
+    "lossscale.flax.TrainState (whole step), dynamic": lossscale_train_state,
+    "optax.apply_if_finite(adam)": optax_apply_if_finite,
+    "jmp DynamicLossScale + select_tree": jmp_dynamic,
+    "Flax DynamicScale recipe": flax_dynamic_scale,
+    "Keras 3 LossScaleOptimizer (stateless)": keras_loss_scale_optimizer,
+    "mpx DynamicLossScaling + optimizer_update": mpx_dynamic,
+}
+
+
+def make_tree(total: int, leaves: int, dtype) -> dict[str, jax.Array]:
+    sizes = np.full(leaves, total // leaves)
+    keys = jax.random.split(jax.random.key(0), leaves)
+    return {
+        f"p{i:02d}": (jax.random.normal(key, (int(n),), jnp.float32) * 0.01).astype(
+            dtype
+        )
+        for i, (key, n) in enumerate(zip(keys, sizes, strict=True))
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1M,10M,50M")
+    parser.add_argument("--leaves", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--grad-dtypes", default="float32,float16")
+    parser.add_argument("--variants", default="", help="comma-separated substrings")
+    parser.add_argument(
+        "--out", default=os.path.join("benchmarks", "results", "optimizer_step")
+    )
+    args = parser.parse_args(argv)
+
+    selected = {
+        name: make
+        for name, make in VARIANTS.items()
+        if not args.variants
+        or name == "optax.adam (baseline)"
+        or any(part in name for part in args.variants.split(","))
+    }
+    rows = []
+    for size in args.sizes.split(","):
+        total = report.parse_size(size)
+        for grad_dtype in args.grad_dtypes.split(","):
+            params = make_tree(total, args.leaves, jnp.float32)
+            grads = make_tree(total, args.leaves, jnp.dtype(grad_dtype))
+            grads = jax.tree.map(lambda g: g * SCALE, grads)  # noqa: B023
+            label = f"{size} params, {grad_dtype} grads"
+            rows += report.compare(
+                selected,
+                params,
+                grads,
+                steps=args.steps,
+                label=label,
+                baseline="optax.adam (baseline)",
+            )
+    report.write(rows, args.out, title="Optimizer step alone")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:  # pragma: no cover - a report beats a stack trace
+        traceback.print_exc()
+        sys.exit(1)

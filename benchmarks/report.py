@@ -1,0 +1,170 @@
+"""Shared by the benchmark scripts: compile, measure, compare, write the tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+import jax
+import numpy as np
+
+# Opcodes that move data between host and device, and callback custom calls.
+_HOST_OPS = re.compile(r"=\s*\S+\s+(send|recv|infeed|outfeed)(-done)?\(")
+_CALLBACK = re.compile(r'custom_call_target="[^"]*(callback|host)[^"]*"', re.I)
+
+
+def parse_size(text: str) -> int:
+    """'1M' -> 1_000_000, '500k' -> 500_000, '25000' -> 25_000."""
+    text = text.strip().upper()
+    factor = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text[:-1] if factor > 1 else text) * factor)
+
+
+def progress(label: str, done: int, total: int) -> None:
+    width = 24
+    filled = int(width * done / max(total, 1))
+    end = "\n" if done == total else ""
+    print(
+        f"\r  {label[:60]:60s} [{'#' * filled}{'-' * (width - filled)}] {done}/{total}",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class Candidate:
+    """One variant: its jitted step, its state, and its compiled figures."""
+
+    def __init__(self, name, make, params, grads):
+        self.name = name
+        self.error = None
+        try:
+            params = jax.tree.map(lambda x: x.copy(), params)
+            step, state = make(params)
+            self.jitted = jax.jit(step, donate_argnums=(0, 1))
+            compiled = self.jitted.lower(params, state, grads).compile()
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            memory = compiled.memory_analysis()
+            text = compiled.as_text()
+            self.figures = {
+                "bytes_accessed": float(cost.get("bytes accessed", np.nan)),
+                "flops": float(cost.get("flops", np.nan)),
+                "temp_bytes": int(memory.temp_size_in_bytes),
+                "argument_bytes": int(memory.argument_size_in_bytes),
+                "output_bytes": int(memory.output_size_in_bytes),
+                "host_transfer": bool(_HOST_OPS.search(text) or _CALLBACK.search(text)),
+            }
+            self.params, self.state, self.grads = params, state, grads
+            self.times = []
+            self.run_step()  # warm-up, and proof that it runs
+        except Exception as error:  # a failing peer is reported, not dropped
+            self.error = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            traceback.print_exc(limit=1, file=sys.stderr)
+
+    def run_step(self):
+        start = time.perf_counter()
+        self.params, self.state = self.jitted(self.params, self.state, self.grads)
+        jax.block_until_ready((self.params, self.state))
+        return time.perf_counter() - start
+
+
+def compare(variants, params, grads, *, steps, label, baseline):
+    """Builds every variant, times each interleaved with the baseline."""
+    print(f"\n{label}", file=sys.stderr)
+    base = Candidate(baseline, variants[baseline], params, grads)
+    if base.error:
+        raise RuntimeError(f"the baseline failed: {base.error}")
+    rows = []
+    names = [name for name in variants if name != baseline]
+    for index, name in enumerate(names):
+        progress(label, index, len(names))
+        candidate = Candidate(name, variants[name], params, grads)
+        base_times, times = [], []
+        if not candidate.error:
+            try:
+                for _ in range(steps):
+                    base_times.append(base.run_step())
+                    times.append(candidate.run_step())
+                compilations = candidate.jitted._cache_size()
+            except Exception as error:
+                candidate.error = f"{type(error).__name__}: {error}"[:160]
+        rows.append(
+            _row(
+                label,
+                candidate,
+                base,
+                base_times,
+                times,
+                compilations if not candidate.error else None,
+            )
+        )
+        del candidate
+    progress(label, len(names), len(names))
+    return rows
+
+
+def _row(label, candidate, base, base_times, times, compilations):
+    row = {"setting": label, "variant": candidate.name, "error": candidate.error}
+    if candidate.error:
+        return row
+    figures, base_figures = candidate.figures, base.figures
+    row.update(figures)
+    row.update(
+        {
+            "median_ms": 1e3 * float(np.median(times)),
+            "min_ms": 1e3 * float(np.min(times)),
+            "baseline_median_ms": 1e3 * float(np.median(base_times)),
+            "time_ratio": float(np.median(times) / np.median(base_times)),
+            "min_time_ratio": float(np.min(times) / np.min(base_times)),
+            "bytes_ratio": figures["bytes_accessed"] / base_figures["bytes_accessed"],
+            "baseline_temp_bytes": base_figures["temp_bytes"],
+            "compilations": compilations,
+        }
+    )
+    return row
+
+
+def write(rows, out: str, *, title: str) -> None:
+    """Prints the Markdown table and writes it with the JSON next to `out`."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    meta = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "cpu_count": os.cpu_count(),
+    }
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [
+        f"# {title}",
+        "",
+        f"jax {meta['jax']}, {meta['backend']} ({meta['device']}), ratios to the"
+        " baseline measured in the same run.",
+        "",
+        "| setting | variant | bytes | temp MB | time (median) | time (min) |"
+        " compiles | host transfer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["error"]:
+            lines.append(
+                f"| {row['setting']} | {row['variant']} | failed: {row['error']}"
+                " | | | | | |"
+            )
+            continue
+        lines.append(
+            f"| {row['setting']} | {row['variant']} | {row['bytes_ratio']:.3f}x |"
+            f" {row['temp_bytes'] / 1e6:.1f} | {row['time_ratio']:.2f}x |"
+            f" {row['min_time_ratio']:.2f}x | {row['compilations']} |"
+            f" {'yes' if row['host_transfer'] else 'no'} |"
+        )
+    table = "\n".join(lines) + "\n"
+    with open(out + ".md", "w") as f:
+        f.write(table)
+    print("\n" + table)
+    print(f"written: {out}.json, {out}.md")
