@@ -84,7 +84,7 @@ def compare(variants, params, grads, *, steps, label, baseline):
     for index, name in enumerate(names):
         progress(label, index, len(names))
         candidate = Candidate(name, variants[name], params, grads)
-        base_times, times = [], []
+        base_times, times, compilations = [], [], None
         if not candidate.error:
             try:
                 for _ in range(steps):
@@ -93,16 +93,7 @@ def compare(variants, params, grads, *, steps, label, baseline):
                 compilations = candidate.jitted._cache_size()
             except Exception as error:
                 candidate.error = f"{type(error).__name__}: {error}"[:160]
-        rows.append(
-            _row(
-                label,
-                candidate,
-                base,
-                base_times,
-                times,
-                compilations if not candidate.error else None,
-            )
-        )
+        rows.append(_row(label, candidate, base, base_times, times, compilations))
         del candidate
     progress(label, len(names), len(names))
     return rows

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from helpers import scaled_loss_step
 
 import lossscale
 
@@ -36,14 +37,7 @@ def micro_batches(count, poison=()):
 
 
 def train(tx, batches):
-    @jax.jit
-    def step(params, opt_state, x, y):
-        grads = jax.grad(lambda p: lossscale.scale_loss(loss_fn(p, x, y), opt_state))(
-            params
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
+    step = scaled_loss_step(tx, loss_fn)
     params, opt_state = init_params(), tx.init(init_params())
     scales = []
     for x, y in batches:

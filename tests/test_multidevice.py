@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import scaled_loss_step
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -83,14 +84,7 @@ def test_sharded_jit_skips_globally_when_one_shard_overflows(mesh, params_spec):
     opt_state = place(tx.init(params))
     batch_sharding = NamedSharding(mesh, P("data"))
 
-    @jax.jit
-    def step(params, opt_state, x, y):
-        grads = jax.grad(lambda p: lossscale.scale_loss(loss_fn(p, x, y), opt_state))(
-            params
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
+    step = scaled_loss_step(tx, loss_fn)
     x, y = jax.device_put(batch(), batch_sharding)
     params, opt_state = step(params, opt_state, x, y)  # applied
     assert int(opt_state.loss_scale.counter) == 1

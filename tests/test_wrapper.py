@@ -365,12 +365,13 @@ def test_float16_gradients_cost_less_than_a_float32_copy_in_xla_bytes():
 # -- composition with optax ---------------------------------------------------------
 
 
-def test_clipping_inside_the_wrap_sees_unscaled_gradients():
+@pytest.mark.parametrize("scale", [1.0, 2.0**12, 2.0**20])
+def test_clipping_inside_the_wrap_sees_unscaled_gradients(scale):
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-    tx = lossscale.wrap(inner, 2.0**12)
+    tx = lossscale.wrap(inner, scale)
     params = params_tree()
     true_grads = grads_like(params, 3, scale=5.0)  # global norm well above 1
-    scaled = jax.tree.map(lambda g: g * 2.0**12, true_grads)
+    scaled = jax.tree.map(lambda g: g * scale, true_grads)
     updates, _ = jax.jit(tx.update)(scaled, tx.init(params), params)
     expected, _ = inner.update(true_grads, inner.init(params), params)
     assert_same_up_to_fma(updates, expected)

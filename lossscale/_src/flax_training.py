@@ -15,6 +15,7 @@ from flax import struct
 from flax.training import train_state
 
 from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import metrics as metrics_lib
 from lossscale._src import scaling
 from lossscale._src import wrapper
 
@@ -260,7 +261,7 @@ class Optimizer(nnx.Optimizer):
         """
         updates = super().update(model, grads, **kwargs)
         # `nnx.Optimizer.update` always counts a step; take a skipped one back.
-        skipped = self.loss_scale.consecutive_skips > 0
+        skipped = ~metrics_lib.metrics(self.loss_scale)["last_finite"]
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates
 

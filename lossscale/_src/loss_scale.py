@@ -386,16 +386,17 @@ class DynamicLossScale(LossScale):
     def _updated(self, grads_finite: jax.Array, loss_finite: jax.Array) -> LossScale:
         updated = self._backward_rule(grads_finite)
         # A forward overflow leaves the rule's leaves as they were.
-        kept = jax.tree.map(
-            lambda new, old: jnp.where(loss_finite, new, old), updated, self
-        )
+        rule_leaves = ("scale", "counter", "overflows_since_growth")
         return (
             super()
             ._updated(grads_finite, loss_finite)
             ._replace(
-                scale=kept.scale,
-                counter=kept.counter,
-                overflows_since_growth=kept.overflows_since_growth,
+                **{
+                    name: jnp.where(
+                        loss_finite, getattr(updated, name), getattr(self, name)
+                    )
+                    for name in rule_leaves
+                }
             )
         )
 
