@@ -6,6 +6,7 @@ overflow while the scale adapts (`update`). `wrap` does all of it around any opt
 transformation.
 """
 
+from lossscale._src.apply import apply_gradients
 from lossscale._src.config import check_config
 from lossscale._src.config import config
 from lossscale._src.config import from_config
@@ -36,6 +37,7 @@ __all__ = (
     "StaticLossScale",
     "WrapState",
     "all_finite",
+    "apply_gradients",
     "check_config",
     "config",
     "from_config",

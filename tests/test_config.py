@@ -29,7 +29,7 @@ def test_config_survives_json_and_rebuilds_the_same_settings(state):
     saved = json.loads(json.dumps(lossscale.config(state)))
     rebuilt = lossscale.from_config(saved)
     assert type(rebuilt) is type(state)
-    assert rebuilt._settings() == state._settings()
+    assert rebuilt._settings == state._settings
     assert lossscale.config(rebuilt) == saved
     lossscale.check_config(saved, state)
 

@@ -146,8 +146,9 @@ def stacked(tree):
     return jax.tree.map(lambda x: jnp.stack([x] * 8), tree)
 
 
+@pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
 @pytest.mark.parametrize("axis_name", ["data", None])
-def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name):
+def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name, path):
     tx = lossscale.wrap(optax.sgd(0.1), 64.0, axis_name=axis_name)
     params = stacked(init_params())
     opt_state = stacked(tx.init(init_params()))
@@ -155,9 +156,20 @@ def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name):
     def local_step(grads, opt_state, params):
         squeeze = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
         grads, opt_state, params = squeeze(grads), squeeze(opt_state), squeeze(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        out = optax.apply_updates(params, updates), opt_state
-        return jax.tree.map(lambda x: x[None], out)
+        if path == "wrap":
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        else:
+            params, inner_state, loss_scale = lossscale.apply_gradients(
+                optax.sgd(0.1),
+                grads=grads,
+                params=params,
+                opt_state=opt_state.inner_state,
+                loss_scale=opt_state.loss_scale,
+                axis_name=axis_name,
+            )
+            opt_state = lossscale.WrapState(loss_scale, inner_state)
+        return jax.tree.map(lambda x: x[None], (params, opt_state))
 
     step = jax.jit(
         jax.shard_map(

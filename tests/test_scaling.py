@@ -195,7 +195,7 @@ def test_all_finite_finds_one_bad_element_in_a_large_leaf(dtype, bad):
     assert not bool(jitted_all_finite({"ok": jnp.ones(5), "bad": leaf}))
     # Large finite values must not overflow the reduction.
     big = jnp.full((300, 301), jnp.finfo(dtype).max, dtype)
-    assert bool(jitted_all_finite({"big": big}))
+    assert bool(jitted_all_finite({"big": big, "negative": -big}))
 
 
 def test_all_finite_ignores_integer_and_none_leaves():

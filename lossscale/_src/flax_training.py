@@ -14,6 +14,7 @@ from flax import nnx
 from flax import struct
 from flax.training import train_state
 
+from lossscale._src import apply
 from lossscale._src import loss_scale as loss_scale_lib
 from lossscale._src import metrics as metrics_lib
 from lossscale._src import scaling
@@ -48,6 +49,8 @@ class TrainState(train_state.TrainState):
       loss_scale: the loss-scale state (`lossscale.DynamicLossScale`, ...).
       axis_name: static; the `shard_map`/`pmap` axis (or axes) over which the
         skip decision is agreed, as in `lossscale.wrap`; None under plain `jit`.
+      clip_norm: static; the global norm the unscaled gradients are clipped to
+        before `tx`, in the finiteness check's pass (as in `lossscale.wrap`).
 
     Examples:
       >>> import jax
@@ -76,6 +79,7 @@ class TrainState(train_state.TrainState):
 
     loss_scale: loss_scale_lib.LossScale = struct.field(pytree_node=True)
     axis_name: Any = struct.field(pytree_node=False, default=None)
+    clip_norm: float | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -86,6 +90,7 @@ class TrainState(train_state.TrainState):
         tx: optax.GradientTransformation,
         loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
         axis_name: scaling.AxisName | None = None,
+        clip_norm: float | None = None,
         **kwargs,
     ) -> TrainState:
         """Creates a train state with `step` 0 and fresh optimizer state.
@@ -100,24 +105,24 @@ class TrainState(train_state.TrainState):
             steps are still skipped).
           axis_name: the `shard_map`/`pmap` axis name (or tuple of names) to agree
             on skips over; None under plain `jax.jit` (see `lossscale.wrap`).
+          clip_norm: clip the unscaled gradients to this global norm before
+            `tx`, in the same pass as the finiteness check (see `lossscale.wrap`).
           **kwargs: further fields of a subclass.
 
         Returns:
           The new `TrainState`.
 
         Raises:
-          TypeError: if `tx` is not an optax transformation or `loss_scale` is
-            not one of the above.
-          ValueError: if `tx` holds a loss-scale state already, or `params` uses
-            Flax's fp8 `_overwrite_with_gradient` collection.
+          TypeError: if `tx` is not an optax transformation, or `loss_scale`,
+            `axis_name` or `clip_norm` is not one of the above.
+          ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
+            not positive, or `params` uses Flax's fp8 `_overwrite_with_gradient`
+            collection.
         """
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                "`tx` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
-                f" got {type(tx).__name__}."
-            )
+        apply.check_transformation(tx, "tx")
         _refuse_overwrite_with_gradient(params, "params")
         scaling.check_axis_name(axis_name)
+        clip_norm = apply.check_clip_norm(clip_norm)
         template = loss_scale_lib.as_loss_scale(loss_scale)
         opt_state = tx.init(params)
         if loss_scale_lib.find_loss_scales(opt_state):
@@ -134,6 +139,7 @@ class TrainState(train_state.TrainState):
             opt_state=opt_state,
             loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), template),
             axis_name=axis_name,
+            clip_norm=clip_norm,
             **kwargs,
         )
 
@@ -155,35 +161,22 @@ class TrainState(train_state.TrainState):
           ValueError: if `grads` and `params` differ in tree structure.
         """
         _refuse_overwrite_with_gradient(grads, "grads")
-        scaling.check_gradients(grads, self.params)
-        current = self.loss_scale
-        grads_finite = scaling.agree(
-            scaling.finite_after_unscale(grads, current), self.axis_name
+        params, opt_state, loss_scale, applied = apply.apply_or_skip(
+            self.tx,
+            grads,
+            self.params,
+            self.opt_state,
+            self.loss_scale,
+            self.axis_name,
+            self.clip_norm,
+            {},
         )
-
-        def apply_step(operands):
-            params, opt_state, grads = operands
-            updates, opt_state = self.tx.update(
-                scaling.unscale(grads, current), opt_state, params
-            )
-            return optax.apply_updates(params, updates), opt_state
-
-        def skip_step(operands):
-            params, opt_state, _ = operands
-            return params, opt_state
-
-        operands = (self.params, self.opt_state, grads)
-        applied_types = jax.eval_shape(apply_step, operands)
-        wrapper.check_same_types(applied_types, (self.params, self.opt_state))
-        # The whole update sits inside the applied branch: only the new params and
-        # optimizer state cross the cond, never a tree of zero updates.
-        params, opt_state = jax.lax.cond(grads_finite, apply_step, skip_step, operands)
         step = jnp.asarray(self.step)
         return self.replace(
-            step=step + grads_finite.astype(step.dtype),
+            step=step + applied.astype(step.dtype),
             params=params,
             opt_state=opt_state,
-            loss_scale=loss_scale_lib.update(current, grads_finite),
+            loss_scale=loss_scale,
             **kwargs,
         )
 
@@ -204,11 +197,14 @@ class Optimizer(nnx.Optimizer):
       loss_scale: a loss-scale state, a number, `"dynamic"` or `None`.
       axis_name: the `shard_map`/`pmap` axis name to agree on skips over, as in
         `lossscale.wrap`.
+      clip_norm: the global norm to clip the unscaled gradients to, in the
+        finiteness check's pass, as in `lossscale.wrap`.
       **kwargs: passed on to `nnx.Optimizer` (e.g. `graph=`).
 
     Raises:
-      TypeError: if `tx` or `loss_scale` is invalid.
-      ValueError: if `tx` is wrapped with `lossscale.wrap` already.
+      TypeError: if `tx`, `loss_scale`, `axis_name` or `clip_norm` is invalid.
+      ValueError: if `tx` is wrapped with `lossscale.wrap` already, or
+        `clip_norm` is not positive.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -237,9 +233,10 @@ class Optimizer(nnx.Optimizer):
         wrt,
         loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
         axis_name: scaling.AxisName | None = None,
+        clip_norm: float | None = None,
         **kwargs,
     ):
-        tx = wrapper.wrap(tx, loss_scale, axis_name=axis_name)
+        tx = wrapper.wrap(tx, loss_scale, axis_name=axis_name, clip_norm=clip_norm)
         super().__init__(model, tx, wrt=wrt, **kwargs)
 
     @property

@@ -11,6 +11,7 @@ states with the same settings have the same tree structure.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any
 from typing import ClassVar
 
@@ -21,6 +22,13 @@ import optax
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _field_property(slot: str, index: int, name: str) -> property:
+    getter = operator.itemgetter(index)
+    return property(
+        lambda self: getter(getattr(self, slot)), doc=f"The `{name}` field."
+    )
 
 
 class LossScale:
@@ -48,10 +56,19 @@ class LossScale:
       True
     """
 
-    __slots__ = ("skipped_steps", "consecutive_skips", "forward_overflows", "stuck")
+    # The leaves and the settings live in two tuples, so flattening and
+    # unflattening (which `jax.jit` does for every call, on the way in and out) are
+    # a tuple hand-over each: a per-field loop cost ~20 us of dispatch per step.
+    __slots__ = ("_arrays", "_settings")
 
-    # Names of the array leaves and of the static settings, in flattening order.
-    _array_fields: ClassVar[tuple[str, ...]] = __slots__
+    # Names of the array leaves and of the static settings, in flattening order;
+    # each is a read-only property of the state.
+    _array_fields: ClassVar[tuple[str, ...]] = (
+        "skipped_steps",
+        "consecutive_skips",
+        "forward_overflows",
+        "stuck",
+    )
     _setting_fields: ClassVar[tuple[str, ...]] = ()
 
     skipped_steps: jax.Array
@@ -61,6 +78,13 @@ class LossScale:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        cls._array_index = {name: i for i, name in enumerate(cls._array_fields)}
+        for fields, slot in (
+            (cls._array_fields, "_arrays"),
+            (cls._setting_fields, "_settings"),
+        ):
+            for index, name in enumerate(fields):
+                setattr(cls, name, _field_property(slot, index, name))
         # Hand-written flattening, but generic over the field lists, so no field can
         # be forgotten (jmp's flattening drops `min_loss_scale`). Unflattening must
         # not run `__init__`: leaves may be tracers, shape structs or sentinels.
@@ -77,41 +101,35 @@ class LossScale:
     # -- pytree protocol -------------------------------------------------------
 
     def _flatten_with_keys(self):
-        children = tuple(
-            (jax.tree_util.GetAttrKey(name), getattr(self, name))
-            for name in self._array_fields
-        )
-        return children, self._settings()
+        keys = (jax.tree_util.GetAttrKey(name) for name in self._array_fields)
+        return tuple(zip(keys, self._arrays, strict=True)), self._settings
 
     def _flatten(self):
-        return tuple(getattr(self, name) for name in self._array_fields), (
-            self._settings()
-        )
+        return self._arrays, self._settings
 
     @classmethod
     def _unflatten(cls, settings, arrays):
         state = object.__new__(cls)
-        for name, value in zip(cls._setting_fields, settings, strict=True):
-            object.__setattr__(state, name, value)
-        for name, value in zip(cls._array_fields, arrays, strict=True):
-            object.__setattr__(state, name, value)
+        object.__setattr__(state, "_arrays", tuple(arrays))
+        object.__setattr__(state, "_settings", settings)
         return state
 
-    def _settings(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self._setting_fields)
-
     def _replace(self, **arrays) -> LossScale:
-        values = {name: getattr(self, name) for name in self._array_fields}
-        values.update(arrays)
-        return self._unflatten(
-            self._settings(), [values[name] for name in self._array_fields]
-        )
+        values = list(self._arrays)
+        for name, value in arrays.items():
+            values[self._array_index[name]] = value
+        return self._unflatten(self._settings, values)
 
-    def _init_counters(self):
-        object.__setattr__(self, "skipped_steps", jnp.zeros([], jnp.int32))
-        object.__setattr__(self, "consecutive_skips", jnp.zeros([], jnp.int32))
-        object.__setattr__(self, "forward_overflows", jnp.zeros([], jnp.int32))
-        object.__setattr__(self, "stuck", jnp.zeros([], jnp.bool_))
+    def _initialise(self, settings: tuple[Any, ...], arrays: tuple[Any, ...]) -> None:
+        """Sets the fields of a new state: its settings and leading array leaves."""
+        counters = (
+            jnp.zeros([], jnp.int32),  # skipped_steps
+            jnp.zeros([], jnp.int32),  # consecutive_skips
+            jnp.zeros([], jnp.int32),  # forward_overflows
+            jnp.zeros([], jnp.bool_),  # stuck
+        )
+        object.__setattr__(self, "_arrays", (*arrays, *counters))
+        object.__setattr__(self, "_settings", settings)
 
     def __reduce__(self):
         # Pickle and deepcopy through the pytree fields: the default protocol would
@@ -188,7 +206,7 @@ class NoOpLossScale(LossScale):
     __slots__ = ()
 
     def __init__(self):
-        self._init_counters()
+        self._initialise((), ())
 
     @property
     def scale(self) -> jax.Array:
@@ -224,14 +242,11 @@ class StaticLossScale(LossScale):
       1024.0
     """
 
-    __slots__ = ("_scale",)
+    __slots__ = ()
     _setting_fields = ("_scale",)
 
     def __init__(self, scale: float):
-        object.__setattr__(
-            self, "_scale", _positive_float32("scale", scale, "StaticLossScale")
-        )
-        self._init_counters()
+        self._initialise((_positive_float32("scale", scale, "StaticLossScale"),), ())
 
     @property
     def scale(self) -> jax.Array:
@@ -318,13 +333,8 @@ class DynamicLossScale(LossScale):
         "max_scale",
         "hysteresis",
     )
-    __slots__ = tuple(
-        name
-        for name in _array_fields + _setting_fields
-        if name not in LossScale.__slots__
-    )
+    __slots__ = ()
 
-    scale: jax.Array
     counter: jax.Array
     overflows_since_growth: jax.Array
 
@@ -364,20 +374,20 @@ class DynamicLossScale(LossScale):
                 f"`{owner}`: `initial_scale` ({initial_scale!r}) must be within"
                 f" [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]."
             )
-        settings = dict(
-            growth_interval=_positive_int32("growth_interval", growth_interval, owner),
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=_positive_int32("hysteresis", hysteresis, owner),
+        settings = (  # in `_setting_fields` order
+            _positive_int32("growth_interval", growth_interval, owner),
+            growth_factor,
+            backoff_factor,
+            min_scale,
+            max_scale,
+            _positive_int32("hysteresis", hysteresis, owner),
         )
-        for name, value in settings.items():
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "scale", jnp.asarray(initial_scale, jnp.float32))
-        object.__setattr__(self, "counter", jnp.zeros([], jnp.int32))
-        object.__setattr__(self, "overflows_since_growth", jnp.zeros([], jnp.int32))
-        self._init_counters()
+        arrays = (  # the leading `_array_fields`
+            jnp.asarray(initial_scale, jnp.float32),  # scale
+            jnp.zeros([], jnp.int32),  # counter
+            jnp.zeros([], jnp.int32),  # overflows_since_growth
+        )
+        self._initialise(settings, arrays)
 
     @property
     def _lowest_scale(self) -> float:

@@ -204,14 +204,54 @@ def agree(flags: jax.Array, axis_name: AxisName | None) -> jax.Array:
     return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1
 
 
-def unscale(grads: Any, state: loss_scale_lib.LossScale) -> Any:
-    """`unscale_grads` for checked gradients and a resolved state."""
+def unscale(grads: Any, state: loss_scale_lib.LossScale, params: Any = None) -> Any:
+    """`unscale_grads` for checked gradients and a resolved state.
+
+    With `params`, a gradient leaf narrower than its parameter is unscaled into the
+    parameter's dtype (see `_unscaled_dtypes`).
+    """
     if isinstance(state, loss_scale_lib.NoOpLossScale):
         return grads
     inverse_scale = _inverse(state.scale)
-    return jax.tree.map(
-        lambda g: _unscale_wide(g, inverse_scale).astype(g.dtype), grads
+    leaves, treedef = _flatten_keeping_none(grads)
+    dtypes = _unscaled_dtypes(leaves, treedef, params)
+    return treedef.unflatten(
+        [
+            g if g is None else _unscale_wide(g, inverse_scale).astype(dtype)
+            for g, dtype in zip(leaves, dtypes, strict=True)
+        ]
     )
+
+
+def _flatten_keeping_none(tree: Any) -> tuple[list[Any], Any]:
+    return jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+
+
+def _unscaled_dtypes(leaves: list[Any], treedef: Any, params: Any) -> list[Any]:
+    """The dtype each gradient leaf is unscaled into.
+
+    A leaf's own dtype, unless its parameter is wider (float16 gradients of float32
+    parameters): then the parameter's. Casting up first keeps the small unscaled
+    values that a float16 result would flush to zero (what the scale was for), and
+    the optimizer widens them to the parameter's dtype anyway. It is also cheaper:
+    XLA fuses a widening multiply into the optimizer's pass, where a round trip
+    through bfloat16 (a software rounding on CPU) is materialised first.
+    """
+    dtypes = [None if g is None else jnp.result_type(g) for g in leaves]
+    if params is None:
+        return dtypes
+    for i, (dtype, param) in enumerate(
+        zip(dtypes, treedef.flatten_up_to(params), strict=True)
+    ):
+        param_dtype = getattr(param, "dtype", None)
+        if (
+            dtype is not None
+            and param_dtype is not None
+            and jnp.issubdtype(param_dtype, jnp.floating)
+            and jnp.dtype(param_dtype).itemsize > dtype.itemsize
+        ):
+            dtypes[i] = jnp.dtype(param_dtype)
+    return dtypes
 
 
 def check_gradients(grads: Any, params: Any = None) -> None:
@@ -240,19 +280,64 @@ def check_gradients(grads: Any, params: Any = None) -> None:
             )
 
 
-def finite_after_unscale(grads: Any, state: loss_scale_lib.LossScale) -> jax.Array:
-    """Whether `unscale_grads(grads, state)` is finite, in one pass over `grads`.
+def finite_after_unscale(
+    grads: Any, state: loss_scale_lib.LossScale, params: Any = None
+) -> jax.Array:
+    """Whether `unscale(grads, state, params)` is finite, in one pass over `grads`.
 
     Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
-    they are. Below 1 the division can overflow a narrow leaf (a float16 gradient
+    they are. Below 1 the division can overflow a narrow result (a float16 gradient
     of 40000 under a scale of 0.5), so the check reduces the unscaled values, which
     XLA fuses into the same reduction pass.
     """
-    leaves = jax.tree.leaves(grads)
+    leaves, treedef = _flatten_keeping_none(grads)
     if state._lowest_scale < 1.0:
         inverse_scale = _inverse(state.scale)
-        leaves = [_unscaled_or_inf(g, inverse_scale) for g in leaves]
-    return _all_finite_leaves(leaves)
+        dtypes = _unscaled_dtypes(leaves, treedef, params)
+        leaves = [
+            g if g is None else _unscaled_or_inf(g, inverse_scale, dtype)
+            for g, dtype in zip(leaves, dtypes, strict=True)
+        ]
+    return _all_finite_leaves([g for g in leaves if g is not None])
+
+
+def global_norm_after_unscale(
+    grads: Any, state: loss_scale_lib.LossScale, params: Any = None
+) -> jax.Array:
+    """The global norm of `unscale(grads, state, params)`, in one pass over `grads`.
+
+    It is NaN or inf exactly when an unscaled gradient is, so it doubles as the
+    finiteness check. For scales >= 1 it is the norm of the *scaled* gradients
+    times `1/scale`: the squares are summed in the scaled domain, where an
+    overflow of a square (|g| > 1.8e19 in float32) looks like a gradient overflow,
+    the step is skipped and the scale backs off, which brings the squares back in
+    range.
+    """
+    leaves, treedef = _flatten_keeping_none(grads)
+    inverse_scale = _inverse(state.scale)
+    if state._lowest_scale < 1.0:
+        dtypes = _unscaled_dtypes(leaves, treedef, params)
+        wide = [
+            _unscaled_or_inf(g, inverse_scale, dtype)
+            for g, dtype in zip(leaves, dtypes, strict=True)
+            if g is not None
+        ]
+        return jnp.sqrt(_sum_of_squares(wide))
+    wide = [g.astype(_at_least_float32(g.dtype)) for g in leaves if g is not None]
+    return jnp.sqrt(_sum_of_squares(wide)) * inverse_scale
+
+
+def _sum_of_squares(leaves: list[jax.Array]) -> jax.Array:
+    total = jnp.zeros([], jnp.float32)
+    for leaf in leaves:
+        total = total + jnp.sum(jnp.square(leaf)).astype(jnp.float32)
+    return total
+
+
+def clip(grads: Any, norm: jax.Array, max_norm: float) -> Any:
+    """`optax.clip_by_global_norm(max_norm)` of `grads`, whose global norm is `norm`."""
+    factor = jnp.where(norm < max_norm, jnp.ones([], norm.dtype), max_norm / norm)
+    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
 
 
 def loss_is_finite(value: Any) -> jax.Array:
@@ -260,15 +345,17 @@ def loss_is_finite(value: Any) -> jax.Array:
     return jnp.isfinite(_check_loss(value, "value"))
 
 
-def _unscaled_or_inf(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:
-    """The unscaled leaf in float32 or wider, inf where `grad`'s dtype overflows."""
+def _unscaled_or_inf(
+    grad: jax.Array, inverse_scale: jax.Array, dtype: Any
+) -> jax.Array:
+    """The unscaled leaf in float32 or wider, inf where `dtype` overflows."""
     value = _unscale_wide(grad, inverse_scale)
-    if value.dtype == grad.dtype:
+    if value.dtype == dtype:
         return value
     # Compare with the rounding threshold instead of casting down and back up:
     # XLA:GPU removes such a round trip (it allows excess precision), which hid
     # the overflow. Values at or above max + ulp/2 round to inf.
-    finfo = jnp.finfo(grad.dtype)
+    finfo = jnp.finfo(dtype)
     top_ulp = 2.0 ** (finfo.maxexp - 1) * float(finfo.eps)
     threshold = jnp.asarray(float(finfo.max) + top_ulp / 2, value.dtype)
     infinity = jnp.asarray(jnp.inf, value.dtype)
@@ -281,17 +368,30 @@ def _all_finite_leaves(leaves: list[Any]) -> jax.Array:
         leaf = jnp.asarray(leaf)
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             continue
+        if leaf.dtype == jnp.bfloat16:
+            # XLA:CPU computes bfloat16 arithmetic in float32, and a convert stops
+            # its reduction fusion; max and min read the leaf as it is (and
+            # propagate NaN): two reads, no temporary array.
+            checks.append(jnp.isfinite(jnp.max(leaf)) & jnp.isfinite(jnp.min(leaf)))
+            continue
         if leaf.dtype.itemsize < 4:
-            # XLA:CPU's reduction fusion takes neither 16-bit arithmetic nor a
-            # convert, so any float form materialises a float32 copy (4 bytes per
-            # element); `isfinite` writes 1 byte per element instead.
-            checks.append(jnp.all(jnp.isfinite(leaf)))
+            # Neither `sum(x - x)` nor `all(isfinite(x))` fuses into one XLA:CPU
+            # reduction for float16 (both write a whole array first). A reducer of
+            # its own does: it maps both operands to 0 (finite) or NaN, so partial
+            # results combine in any order, and a finite `x - x` is exactly 0.
+            zero = jnp.zeros([], leaf.dtype)
+            dims = tuple(range(leaf.ndim))
+            checks.append(jnp.isfinite(jax.lax.reduce(leaf, zero, _zero_or_nan, dims)))
             continue
         # `x - x` is 0 where `x` is finite and NaN elsewhere, and a sum of zeros
         # cannot overflow. Unlike `x * 0` it has no broadcast constant, which
         # XLA:CPU's reduction fusion would materialise as a whole array.
         checks.append(jnp.isfinite(jnp.sum(leaf - leaf)))
     return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
+
+
+def _zero_or_nan(a: jax.Array, b: jax.Array) -> jax.Array:
+    return (a - a) + (b - b)
 
 
 def _unscale_wide(grad: jax.Array, inverse_scale: jax.Array) -> jax.Array:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from lossscale._src import apply
 from lossscale._src import loss_scale as loss_scale_lib
 from lossscale._src import scaling
 
@@ -41,6 +41,7 @@ def wrap(
     loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
     *,
     axis_name: scaling.AxisName | None = None,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with loss scaling.
 
@@ -51,10 +52,12 @@ def wrap(
        unscaled gradients are all finite;
     2. with `jax.lax.cond`, either runs `inner.update` on the gradients divided by
        the scale (the division sits inside the applied branch, where XLA fuses it
-       into the inner update), or skips it: the updates are zeros and the inner
-       state is returned untouched, so moments, step counts and schedules do not
-       advance (the zeros are negative zeros, so `optax.apply_updates` leaves
-       every parameter bit for bit as it was);
+       into the inner update; a gradient narrower than its parameter, float16 for
+       a float32 parameter, is unscaled into the parameter's dtype, so small
+       values do not underflow again), or skips it: the updates are zeros and the
+       inner state is returned untouched, so moments, step counts and schedules
+       do not advance (the zeros are negative zeros, so `optax.apply_updates`
+       leaves every parameter bit for bit as it was);
     3. updates the loss-scale state with `lossscale.update`, using the scale the
        loss was multiplied by for the unscaling.
 
@@ -74,9 +77,17 @@ def wrap(
     and every device keeps the same loss-scale state.
 
     Anything placed inside `inner`, such as `optax.clip_by_global_norm`, sees the
-    true (unscaled) gradients. The result composes with `optax.chain`,
-    `optax.MultiSteps` and `optax.inject_hyperparams`; extra arguments of `update`
-    are passed on to `inner`.
+    true (unscaled) gradients. `clip_norm=c` does what
+    `optax.clip_by_global_norm(c)` first in `inner` would, cheaper: the global
+    norm of the gradients *is* the finiteness check (it is NaN or inf exactly when
+    a gradient is), so clipping costs no pass over the gradients of its own, and
+    its multiply fuses into the inner update. The squares are summed in the scaled
+    domain; an overflow of a square (a scaled float32 gradient above 1.8e19) is
+    taken for a gradient overflow, and the scale backs off.
+
+    The result composes with `optax.chain`, `optax.MultiSteps` and
+    `optax.inject_hyperparams`; extra arguments of `update` are passed on to
+    `inner`.
 
     Args:
       inner: the optax transformation to wrap (an `optax.MultiSteps` is taken
@@ -85,17 +96,21 @@ def wrap(
         default `DynamicLossScale()`) or `None` (no scaling).
       axis_name: a `shard_map`/`pmap` axis name (or tuple of names) to agree on
         the skip decision over; None under plain `jax.jit`.
+      clip_norm: None, or the global norm to clip the unscaled gradients to
+        before `inner` (see above).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `WrapState`.
 
     Raises:
       TypeError: if `inner` is not an optax transformation, `loss_scale` is not
-        one of the above, or `axis_name` is not a str or a tuple of str.
-      ValueError: if `loss_scale` is an unknown string or an invalid number. The
-        transformation's `init` raises `ValueError` if `inner` is already wrapped;
-        its `update` raises `TypeError` for non-float gradients and `ValueError`
-        for gradients whose tree differs from `params`.
+        one of the above, `axis_name` is not a str or a tuple of str, or
+        `clip_norm` is not a number.
+      ValueError: if `loss_scale` is an unknown string or an invalid number, or
+        `clip_norm` is not positive and finite. The transformation's `init`
+        raises `ValueError` if `inner` is already wrapped; its `update` raises
+        `TypeError` for non-float gradients and `ValueError` for gradients whose
+        tree differs from `params`.
 
     Examples:
       >>> import jax
@@ -117,14 +132,11 @@ def wrap(
     """
     if isinstance(inner, optax.MultiSteps):
         inner = inner.gradient_transformation()
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "`inner` must be an optax transformation (e.g. `optax.adam(1e-3)`), got"
-            f" {type(inner).__name__}."
-        )
+    apply.check_transformation(inner, "inner")
     inner = optax.with_extra_args_support(inner)
     template = loss_scale_lib.as_loss_scale(loss_scale)
     scaling.check_axis_name(axis_name)
+    clip_norm = apply.check_clip_norm(clip_norm)
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -145,21 +157,15 @@ def wrap(
             )
         scaling.check_gradients(updates, params)
         current = state.loss_scale
-        value = extra_args.get("value")
-        loss_finite = (
-            jnp.asarray(True) if value is None else scaling.loss_is_finite(value)
-        )
-        # One collective for both flags, when there is one.
-        grads_finite, loss_finite = scaling.agree(
-            jnp.stack([scaling.finite_after_unscale(updates, current), loss_finite]),
-            axis_name,
+        grads_finite, loss_finite, norm = apply.finite_flags(
+            updates, params, current, extra_args.get("value"), axis_name, clip_norm
         )
         applied = grads_finite & loss_finite
 
         def apply_step(operands):
             grads, inner_state, params = operands
             return inner.update(
-                scaling.unscale(grads, current),
+                apply.unscaled(grads, params, current, norm, clip_norm),
                 inner_state,
                 params,
                 **extra_args,
@@ -180,7 +186,7 @@ def wrap(
             zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), applied_types[0])
             return zeros, inner_state
 
-        check_same_types(applied_types[1], state.inner_state)
+        apply.check_same_types(applied_types[1], state.inner_state)
         new_updates, new_inner_state = jax.lax.cond(
             applied, apply_step, skip_step, operands
         )
@@ -190,23 +196,3 @@ def wrap(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def check_same_types(new_state: Any, old_state: Any) -> None:
-    """Raises a clear error if an update changed its state's tree or leaf types."""
-    new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)
-    old_leaves, old_def = jax.tree.flatten(old_state)
-    if new_def != old_def:
-        raise ValueError(
-            "The inner transformation's `update` returned a state with another tree"
-            f" structure than it was given: {new_def} vs {old_def}."
-        )
-    for (path, new), old in zip(new_paths, old_leaves, strict=True):
-        old_shape, old_dtype = jnp.shape(old), jnp.result_type(old)
-        if new.shape != old_shape or new.dtype != old_dtype:
-            raise TypeError(
-                "The inner transformation's `update` changed the state leaf at"
-                f" {jax.tree_util.keystr(path)} from {old_dtype}{list(old_shape)} to"
-                f" {new.dtype}{list(new.shape)}; a skipped step could not keep it."
-                " Initialise the inner state with the dtypes its update produces."
-            )
