@@ -2,9 +2,13 @@
 
     pip install -e ".[bench]"
     python benchmarks/optimizer_step.py [--sizes 1M,10M,50M] [--steps 30]
+    python benchmarks/optimizer_step.py --inner clip+adam   # clipping in the chain
 
 Every variant takes the gradients of a scaled loss (float32 or float16 leaves, about
 50 leaves) and returns new parameters and state, jit-compiled with donated buffers.
+The optimizer is Adam, or with `--inner clip+adam` `optax.clip_by_global_norm(1.0)`
+then Adam (Keras: Adam with `global_clipnorm=1.0`), for every variant and the
+baseline alike.
 Its time is measured interleaved with plain `optax.adam` (the baseline), so the
 ratios come from one run on one machine. XLA's `cost_analysis()` and
 `memory_analysis()` figures of the compiled step are deterministic. A peer that
@@ -33,13 +37,18 @@ import report  # noqa: E402
 
 LR = 1e-3
 SCALE = 2.0**15
+INNERS = {
+    "adam": lambda: optax.adam(LR),
+    "clip+adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(LR)),
+}
+inner = INNERS["adam"]  # set by --inner
 
 
 # -- the variants: each returns (step, state); step(params, state, grads) ---------
 
 
 def plain_adam(params):
-    tx = optax.adam(LR)
+    tx = inner()
 
     def step(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -50,7 +59,7 @@ def plain_adam(params):
 
 def lossscale_wrap(loss_scale):
     def make(params):
-        tx = lossscale.wrap(optax.adam(LR), loss_scale)
+        tx = lossscale.wrap(inner(), loss_scale)
 
         def step(params, opt_state, grads):
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -61,14 +70,77 @@ def lossscale_wrap(loss_scale):
     return make
 
 
+def lossscale_apply_gradients(params):
+    tx = inner()
+
+    def step(params, state, grads):
+        opt_state, loss_scale = state
+        params, opt_state, loss_scale = lossscale.apply_gradients(
+            tx, grads=grads, params=params, opt_state=opt_state, loss_scale=loss_scale
+        )
+        return params, (opt_state, loss_scale)
+
+    return step, (tx.init(params), lossscale.DynamicLossScale())
+
+
+def lossscale_wrap_clip_norm(params):
+    tx = lossscale.wrap(optax.adam(LR), clip_norm=1.0)
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, tx.init(params)
+
+
+def lossscale_apply_gradients_clip_norm(params):
+    tx = optax.adam(LR)
+
+    def step(params, state, grads):
+        opt_state, loss_scale = state
+        params, opt_state, loss_scale = lossscale.apply_gradients(
+            tx,
+            grads=grads,
+            params=params,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            clip_norm=1.0,
+        )
+        return params, (opt_state, loss_scale)
+
+    return step, (tx.init(params), lossscale.DynamicLossScale())
+
+
+def study_select_instead_of_cond(params):
+    # Not shipped: the one-call step with the skip as a select over params and
+    # optimizer state instead of a cond, to see whether XLA fuses the select into
+    # the update's own pass.
+    from lossscale._src import apply
+    from lossscale._src import scaling
+
+    tx = inner()
+
+    def step(params, state, grads):
+        opt_state, loss_scale = state
+        grads_finite, _, _ = apply.finite_flags(grads, params, loss_scale, None, None)
+        updates, new_opt_state = tx.update(
+            scaling.unscale(grads, loss_scale, params), opt_state, params
+        )
+        new = (optax.apply_updates(params, updates), new_opt_state)
+        params, opt_state = lossscale.select_tree(
+            grads_finite, new, (params, opt_state)
+        )
+        return params, (opt_state, lossscale.update(loss_scale, grads_finite))
+
+    return step, (tx.init(params), lossscale.DynamicLossScale())
+
+
 def lossscale_train_state(params):
     # The whole-step path: the update is applied inside the cond, so only the
     # new params and optimizer state cross it.
     import lossscale.flax
 
-    state = lossscale.flax.TrainState.create(
-        apply_fn=None, params=params, tx=optax.adam(LR)
-    )
+    state = lossscale.flax.TrainState.create(apply_fn=None, params=params, tx=inner())
 
     def step(params, state, grads):
         state = state.replace(params=params).apply_gradients(grads=grads)
@@ -79,7 +151,7 @@ def lossscale_train_state(params):
 
 def optax_apply_if_finite(params):
     # optax has no loss scaling: unscale by the (static) scale, then skip.
-    tx = optax.apply_if_finite(optax.adam(LR), max_consecutive_errors=10**6)
+    tx = optax.apply_if_finite(inner(), max_consecutive_errors=10**6)
 
     def step(params, opt_state, grads):
         grads = jax.tree.map(lambda g: g / SCALE, grads)
@@ -92,7 +164,7 @@ def optax_apply_if_finite(params):
 def jmp_dynamic(params):
     import jmp
 
-    tx = optax.adam(LR)
+    tx = inner()
 
     def step(params, state, grads):
         # As jmp's README: unscale, check, adjust, select_tree over both trees.
@@ -114,9 +186,7 @@ def flax_dynamic_scale(params):
     from flax.training import train_state
     from flax.training.dynamic_scale import DynamicScale
 
-    state = train_state.TrainState.create(
-        apply_fn=None, params=params, tx=optax.adam(LR)
-    )
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=inner())
 
     def step(params, carry, grads):
         # Flax's recipe: DynamicScale.value_and_grad of a loss whose gradient is
@@ -154,8 +224,9 @@ def keras_loss_scale_optimizer(params):
 
     leaves, treedef = jax.tree.flatten(params)
     variables = [keras.Variable(leaf) for leaf in leaves]
+    clipnorm = 1.0 if inner is INNERS["clip+adam"] else None
     optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(LR), initial_scale=SCALE
+        keras.optimizers.Adam(LR, global_clipnorm=clipnorm), initial_scale=SCALE
     )
     optimizer.build(variables)
 
@@ -171,7 +242,7 @@ def keras_loss_scale_optimizer(params):
 def mpx_dynamic(params):
     import mpx
 
-    tx = optax.adam(LR)
+    tx = inner()
 
     def step(params, state, grads):
         # As mpx's filter_value_and_grad + optimizer_update.
@@ -189,11 +260,13 @@ def mpx_dynamic(params):
 
 
 VARIANTS = {
-    "optax.adam (baseline)": plain_adam,
-    "lossscale.wrap(adam), dynamic": lossscale_wrap("dynamic"),
-    "lossscale.wrap(adam), static": lossscale_wrap(SCALE),
+    "plain optax step (baseline)": plain_adam,
+    "lossscale.wrap(tx), dynamic": lossscale_wrap("dynamic"),
+    "lossscale.wrap(tx), static": lossscale_wrap(SCALE),
+    "lossscale.apply_gradients (one call), dynamic": lossscale_apply_gradients,
     "lossscale.flax.TrainState (whole step), dynamic": lossscale_train_state,
-    "optax.apply_if_finite(adam)": optax_apply_if_finite,
+    "study: one call with a select, not a cond": study_select_instead_of_cond,
+    "optax.apply_if_finite(tx)": optax_apply_if_finite,
     "jmp DynamicLossScale + select_tree": jmp_dynamic,
     "Flax DynamicScale recipe": flax_dynamic_scale,
     "Keras 3 LossScaleOptimizer (stateless)": keras_loss_scale_optimizer,
@@ -219,16 +292,26 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--grad-dtypes", default="float32,float16")
     parser.add_argument("--variants", default="", help="comma-separated substrings")
-    parser.add_argument(
-        "--out", default=os.path.join("benchmarks", "results", "optimizer_step")
-    )
+    parser.add_argument("--inner", default="adam", choices=sorted(INNERS))
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/...")
     args = parser.parse_args(argv)
+    global inner
+    inner = INNERS[args.inner]
+    suffix = "" if args.inner == "adam" else "_clip"
+    out = args.out or os.path.join("benchmarks", "results", "optimizer_step" + suffix)
 
+    variants = dict(VARIANTS)
+    if args.inner == "clip+adam":
+        # Ours with Adam alone and the clipping done in the check's pass.
+        variants["lossscale.wrap(adam, clip_norm=1)"] = lossscale_wrap_clip_norm
+        variants["lossscale.apply_gradients(adam, clip_norm=1)"] = (
+            lossscale_apply_gradients_clip_norm
+        )
     selected = {
         name: make
-        for name, make in VARIANTS.items()
+        for name, make in variants.items()
         if not args.variants
-        or name == "optax.adam (baseline)"
+        or name == "plain optax step (baseline)"
         or any(part in name for part in args.variants.split(","))
     }
     rows = []
@@ -238,16 +321,16 @@ def main(argv=None):
             params = make_tree(total, args.leaves, jnp.float32)
             grads = make_tree(total, args.leaves, jnp.dtype(grad_dtype))
             grads = jax.tree.map(lambda g: g * SCALE, grads)  # noqa: B023
-            label = f"{size} params, {grad_dtype} grads"
+            label = f"{size} params, {grad_dtype} grads, {args.inner}"
             rows += report.compare(
                 selected,
                 params,
                 grads,
                 steps=args.steps,
                 label=label,
-                baseline="optax.adam (baseline)",
+                baseline="plain optax step (baseline)",
             )
-    report.write(rows, args.out, title="Optimizer step alone")
+    report.write(rows, out, title=f"Optimizer step alone ({args.inner})")
 
 
 if __name__ == "__main__":
