@@ -204,12 +204,7 @@ def flax_dynamic_scale(params):
         dynamic_scale, is_finite, _, new_grads = dynamic_scale.value_and_grad(loss_fn)(
             state.params
         )
-        new_state = state.apply_gradients(grads=new_grads)
-        select = lambda a, b: jnp.where(is_finite, a, b)  # noqa: E731
-        new_state = new_state.replace(
-            opt_state=jax.tree.map(select, new_state.opt_state, state.opt_state),
-            params=jax.tree.map(select, new_state.params, state.params),
-        )
+        new_state = report.flax_apply_or_keep(state, is_finite, new_grads)
         return new_state.params, (new_state.replace(params=None), dynamic_scale)
 
     carry = (

@@ -260,12 +260,7 @@ def flax_dynamic_scale(loss_fn):
             dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(loss_fn)(
                 state.params, batch
             )
-            new_state = state.apply_gradients(grads=grads)
-            select = lambda a, b: jnp.where(is_finite, a, b)  # noqa: E731
-            new_state = new_state.replace(
-                opt_state=jax.tree.map(select, new_state.opt_state, state.opt_state),
-                params=jax.tree.map(select, new_state.params, state.params),
-            )
+            new_state = report.flax_apply_or_keep(state, is_finite, grads)
             return new_state.params, (new_state.replace(params=None), dynamic_scale)
 
         carry = (
