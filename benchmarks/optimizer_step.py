@@ -33,6 +33,7 @@ import optax  # noqa: E402
 import lossscale  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import peers  # noqa: E402
 import report  # noqa: E402
 
 LR = 1e-3
@@ -167,17 +168,8 @@ def jmp_dynamic(params):
     tx = inner()
 
     def step(params, state, grads):
-        # As jmp's README: unscale, check, adjust, select_tree over both trees.
         opt_state, loss_scale = state
-        grads = loss_scale.unscale(grads)
-        finite = jmp.all_finite(grads)
-        loss_scale = loss_scale.adjust(finite)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        params, opt_state = jmp.select_tree(
-            finite, (new_params, new_opt_state), (params, opt_state)
-        )
-        return params, (opt_state, loss_scale)
+        return peers.jmp_apply(tx, params, opt_state, loss_scale, grads)
 
     return step, (tx.init(params), jmp.DynamicLossScale(jnp.float32(SCALE)))
 
@@ -204,7 +196,7 @@ def flax_dynamic_scale(params):
         dynamic_scale, is_finite, _, new_grads = dynamic_scale.value_and_grad(loss_fn)(
             state.params
         )
-        new_state = report.flax_apply_or_keep(state, is_finite, new_grads)
+        new_state = peers.flax_apply_or_keep(state, is_finite, new_grads)
         return new_state.params, (new_state.replace(params=None), dynamic_scale)
 
     carry = (
@@ -215,23 +207,11 @@ def flax_dynamic_scale(params):
 
 
 def keras_loss_scale_optimizer(params):
-    import keras
-
-    leaves, treedef = jax.tree.flatten(params)
-    variables = [keras.Variable(leaf) for leaf in leaves]
     clipnorm = 1.0 if inner is INNERS["clip+adam"] else None
-    optimizer = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(LR, global_clipnorm=clipnorm), initial_scale=SCALE
+    apply, variables = peers.keras_optimizer(
+        params, learning_rate=LR, initial_scale=SCALE, clipnorm=clipnorm
     )
-    optimizer.build(variables)
-
-    def step(params, optimizer_variables, grads):
-        new_leaves, optimizer_variables = optimizer.stateless_apply(
-            optimizer_variables, jax.tree.leaves(grads), jax.tree.leaves(params)
-        )
-        return jax.tree.unflatten(treedef, new_leaves), optimizer_variables
-
-    return step, [v.value for v in optimizer.variables]
+    return apply, variables
 
 
 def mpx_dynamic(params):

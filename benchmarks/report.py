@@ -10,24 +10,11 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 # Opcodes that move data between host and device, and callback custom calls.
 _HOST_OPS = re.compile(r"=\s*\S+\s+(send|recv|infeed|outfeed)(-done)?\(")
 _CALLBACK = re.compile(r'custom_call_target="[^"]*(callback|host)[^"]*"', re.I)
-
-
-def flax_apply_or_keep(state, is_finite, grads):
-    """Flax's recipe after `DynamicScale.value_and_grad`: apply the gradients, then
-    keep the old params and optimizer state where they were not finite (a select
-    over both, as Flax's examples do)."""
-    new_state = state.apply_gradients(grads=grads)
-    select = lambda a, b: jnp.where(is_finite, a, b)  # noqa: E731
-    return new_state.replace(
-        opt_state=jax.tree.map(select, new_state.opt_state, state.opt_state),
-        params=jax.tree.map(select, new_state.params, state.params),
-    )
 
 
 def parse_size(text: str) -> int:

@@ -35,6 +35,7 @@ import optax  # noqa: E402
 import lossscale  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import peers  # noqa: E402
 import report  # noqa: E402
 
 LR = 1e-3
@@ -230,15 +231,7 @@ def jmp_dynamic(loss_fn):
         def step(params, state, batch):
             opt_state, loss_scale = state
             grads = jax.grad(lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
-            grads = loss_scale.unscale(grads)
-            finite = jmp.all_finite(grads)
-            loss_scale = loss_scale.adjust(finite)
-            updates, new_opt_state = tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            params, opt_state = jmp.select_tree(
-                finite, (new_params, new_opt_state), (params, opt_state)
-            )
-            return params, (opt_state, loss_scale)
+            return peers.jmp_apply(tx, params, opt_state, loss_scale, grads)
 
         return step, (tx.init(params), jmp.DynamicLossScale(jnp.float32(SCALE)))
 
@@ -260,7 +253,7 @@ def flax_dynamic_scale(loss_fn):
             dynamic_scale, is_finite, _, grads = dynamic_scale.value_and_grad(loss_fn)(
                 state.params, batch
             )
-            new_state = report.flax_apply_or_keep(state, is_finite, grads)
+            new_state = peers.flax_apply_or_keep(state, is_finite, grads)
             return new_state.params, (new_state.replace(params=None), dynamic_scale)
 
         carry = (
@@ -274,25 +267,17 @@ def flax_dynamic_scale(loss_fn):
 
 def keras_loss_scale_optimizer(loss_fn):
     def make(params):
-        import keras
-
-        leaves, treedef = jax.tree.flatten(params)
-        variables = [keras.Variable(leaf) for leaf in leaves]
-        optimizer = keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.Adam(LR), initial_scale=SCALE
+        apply, variables = peers.keras_optimizer(
+            params, learning_rate=LR, initial_scale=SCALE
         )
-        optimizer.build(variables)
 
         def step(params, optimizer_variables, batch):
             # Keras scales by its current scale variable; a constant of the same
             # value does the same work here.
             grads = jax.grad(lambda p: loss_fn(p, batch) * SCALE)(params)
-            new_leaves, optimizer_variables = optimizer.stateless_apply(
-                optimizer_variables, jax.tree.leaves(grads), jax.tree.leaves(params)
-            )
-            return jax.tree.unflatten(treedef, new_leaves), optimizer_variables
+            return apply(params, optimizer_variables, grads)
 
-        return step, [v.value for v in optimizer.variables]
+        return step, variables
 
     return make
 

@@ -290,15 +290,9 @@ def finite_after_unscale(
     of 40000 under a scale of 0.5), so the check reduces the unscaled values, which
     XLA fuses into the same reduction pass.
     """
-    leaves, treedef = _flatten_keeping_none(grads)
     if state._lowest_scale < 1.0:
-        inverse_scale = _inverse(state.scale)
-        dtypes = _unscaled_dtypes(leaves, treedef, params)
-        leaves = [
-            g if g is None else _unscaled_or_inf(g, inverse_scale, dtype)
-            for g, dtype in zip(leaves, dtypes, strict=True)
-        ]
-    return _all_finite_leaves([g for g in leaves if g is not None])
+        return _all_finite_leaves(_unscaled_or_inf_leaves(grads, state, params))
+    return _all_finite_leaves(jax.tree.leaves(grads))
 
 
 def global_norm_after_unscale(
@@ -313,18 +307,24 @@ def global_norm_after_unscale(
     the step is skipped and the scale backs off, which brings the squares back in
     range.
     """
-    leaves, treedef = _flatten_keeping_none(grads)
-    inverse_scale = _inverse(state.scale)
     if state._lowest_scale < 1.0:
-        dtypes = _unscaled_dtypes(leaves, treedef, params)
-        wide = [
-            _unscaled_or_inf(g, inverse_scale, dtype)
-            for g, dtype in zip(leaves, dtypes, strict=True)
-            if g is not None
-        ]
-        return jnp.sqrt(_sum_of_squares(wide))
-    wide = [g.astype(_at_least_float32(g.dtype)) for g in leaves if g is not None]
-    return jnp.sqrt(_sum_of_squares(wide)) * inverse_scale
+        return jnp.sqrt(_sum_of_squares(_unscaled_or_inf_leaves(grads, state, params)))
+    wide = [g.astype(_at_least_float32(g.dtype)) for g in jax.tree.leaves(grads)]
+    return jnp.sqrt(_sum_of_squares(wide)) * _inverse(state.scale)
+
+
+def _unscaled_or_inf_leaves(
+    grads: Any, state: loss_scale_lib.LossScale, params: Any
+) -> list[jax.Array]:
+    """The leaves of `unscale(grads, state, params)`, wide, inf where they overflow."""
+    leaves, treedef = _flatten_keeping_none(grads)
+    dtypes = _unscaled_dtypes(leaves, treedef, params)
+    inverse_scale = _inverse(state.scale)
+    return [
+        _unscaled_or_inf(g, inverse_scale, dtype)
+        for g, dtype in zip(leaves, dtypes, strict=True)
+        if g is not None
+    ]
 
 
 def _sum_of_squares(leaves: list[jax.Array]) -> jax.Array:
