@@ -116,16 +116,15 @@ def study_select_instead_of_cond(params):
     # Not shipped: the one-call step with the skip as a select over params and
     # optimizer state instead of a cond, to see whether XLA fuses the select into
     # the update's own pass.
-    from lossscale._src import apply
-    from lossscale._src import scaling
+    from lossscale._src import numerics
 
     tx = inner()
 
     def step(params, state, grads):
         opt_state, loss_scale = state
-        grads_finite, _, _ = apply.finite_flags(grads, params, loss_scale, None, None)
+        grads_finite = numerics.finite_after_unscaling(grads, loss_scale, params)
         updates, new_opt_state = tx.update(
-            scaling.unscale(grads, loss_scale, params), opt_state, params
+            numerics.unscale_tree(grads, loss_scale, params), opt_state, params
         )
         new = (optax.apply_updates(params, updates), new_opt_state)
         params, opt_state = lossscale.select_tree(

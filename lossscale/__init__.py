@@ -3,31 +3,32 @@
 Multiply the loss by a scale before differentiating (`scale_loss`), divide the
 gradients by it afterwards (`unscale_grads`), and skip the steps whose gradients
 overflow while the scale adapts (`update`). `wrap` does all of it around any optax
-transformation.
+transformation, and `apply_gradients` does the whole optimizer step in one call.
+Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
 from lossscale._src.apply import apply_gradients
+from lossscale._src.base import LossScale
 from lossscale._src.config import check_config
-from lossscale._src.config import config
-from lossscale._src.config import from_config
+from lossscale._src.fields import field
+from lossscale._src.fields import setting
+from lossscale._src.functional import all_finite
+from lossscale._src.functional import scale_loss
+from lossscale._src.functional import select_tree
+from lossscale._src.functional import unscale_grads
 from lossscale._src.grad import value_and_grad
 from lossscale._src.grad_stats import grad_stats
-from lossscale._src.loss_scale import DynamicLossScale
-from lossscale._src.loss_scale import LossScale
-from lossscale._src.loss_scale import LossScaleLike
-from lossscale._src.loss_scale import NoOpLossScale
-from lossscale._src.loss_scale import StaticLossScale
-from lossscale._src.loss_scale import get_loss_scale
-from lossscale._src.loss_scale import update
+from lossscale._src.kinds import DynamicLossScale
+from lossscale._src.kinds import LossScaleLike
+from lossscale._src.kinds import NoOpLossScale
+from lossscale._src.kinds import StaticLossScale
+from lossscale._src.lookup import get_loss_scale
 from lossscale._src.metrics import metrics
-from lossscale._src.scaling import all_finite
-from lossscale._src.scaling import scale_loss
-from lossscale._src.scaling import select_tree
-from lossscale._src.scaling import unscale_grads
+from lossscale._src.update import update
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "DynamicLossScale",
@@ -39,13 +40,13 @@ __all__ = (
     "all_finite",
     "apply_gradients",
     "check_config",
-    "config",
-    "from_config",
+    "field",
     "get_loss_scale",
     "grad_stats",
     "metrics",
     "scale_loss",
     "select_tree",
+    "setting",
     "unscale_grads",
     "update",
     "value_and_grad",

@@ -135,17 +135,22 @@ def train(
         "skipped_steps": metrics["skipped_steps"],
         "loss_scale": metrics["loss_scale"],
         "params": params,
+        "final_state": lossscale.get_loss_scale(opt_state),
     }
 
 
 def underflow_share(params: Any, dtype: Any, loss_scale: Any, x, y) -> float:
-    """Share of gradient elements non-zero in float32 but exactly zero in `dtype`."""
+    """Share of gradient elements non-zero in float32 but exactly zero in `dtype`.
+
+    `loss_scale` is the run's final loss-scale state: the share is measured at
+    the scale the run ended with.
+    """
 
     def grads_for(dtype, loss_scale):
         _, grads = lossscale.value_and_grad(loss_fn)(loss_scale, params, x, y, dtype)
         return lossscale.unscale_grads(grads, loss_scale)
 
-    exact = jax.tree.leaves(grads_for(jnp.float32, None))
+    exact = jax.tree.leaves(grads_for(jnp.float32, lossscale.NoOpLossScale()))
     low = jax.tree.leaves(grads_for(dtype, loss_scale))
     nonzero = sum(int(jnp.count_nonzero(g)) for g in exact)
     lost = sum(
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             progress=ProgressBar(name, args.steps),
         )
         result["underflow"] = underflow_share(
-            result["params"], dtype, loss_scale, x_train, y_train
+            result["params"], dtype, result["final_state"], x_train, y_train
         )
         results[name] = result
 

@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -148,11 +149,12 @@ def test_extra_arguments_and_value_reach_the_transformation():
 @pytest.mark.parametrize("spec", ["none", "static", "dynamic"])
 def test_compiles_once_without_host_transfer(spec):
     tx = optax.adam(1e-3)
-    traces = []
+
+    chex.clear_trace_counter()  # counted by source: parameters share it
 
     @jax.jit
+    @chex.assert_max_traces(n=1)
     def step(params, opt_state, loss_scale, grads):
-        traces.append(None)
         return lossscale.apply_gradients(
             tx, grads=grads, params=params, opt_state=opt_state, loss_scale=loss_scale
         )
@@ -162,7 +164,7 @@ def test_compiles_once_without_host_transfer(spec):
     state = (params, tx.init(params), loss_scale)
     for seed, bad in enumerate([None, np.inf, None, np.nan, None]):
         state = step(*state, grads_like(params, seed, bad=bad))
-    assert len(traces) == 1 and step._cache_size() == 1
+    assert step._cache_size() == 1
     assert int(state[2].skipped_steps) == 2
     opcodes = {
         opcode
@@ -369,7 +371,7 @@ def test_nnx_optimizer_passes_clip_norm_on():
             model, tx, wrt=nnx.Param, loss_scale=64.0, clip_norm=clip_norm
         )
         grads = nnx.grad(
-            lambda m: lossscale.scale_loss(jnp.sum(m(jnp.ones((4, 3))) ** 2), 64.0)
+            lambda m: lossscale.scale_loss(jnp.sum(m(jnp.ones((4, 3))) ** 2), optimizer)
         )(model)
         optimizer.update(model, grads)
         return nnx.state(model, nnx.Param)

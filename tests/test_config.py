@@ -1,4 +1,4 @@
-"""`config`, `from_config`, `check_config`: loss-scale settings for checkpoints."""
+"""`get_config`, `from_config`, `check_config`: loss-scale settings for checkpoints."""
 
 import json
 
@@ -26,28 +26,31 @@ STATES = [
 
 @pytest.mark.parametrize("state", STATES, ids=repr)
 def test_config_survives_json_and_rebuilds_the_same_settings(state):
-    saved = json.loads(json.dumps(lossscale.config(state)))
-    rebuilt = lossscale.from_config(saved)
+    saved = json.loads(json.dumps(state.get_config()))
+    rebuilt = lossscale.LossScale.from_config(saved)
     assert type(rebuilt) is type(state)
     assert rebuilt._settings == state._settings
-    assert lossscale.config(rebuilt) == saved
+    assert rebuilt.get_config() == saved
     lossscale.check_config(saved, state)
 
 
 def test_config_reads_through_optimizer_states():
     opt_state = lossscale.wrap(optax.sgd(0.1), 64.0).init(jnp.zeros(2))
-    assert lossscale.config(opt_state) == {"kind": "static", "scale": 64.0}
+    assert lossscale.get_loss_scale(opt_state).get_config() == {
+        "kind": "static",
+        "scale": 64.0,
+    }
 
 
 def test_from_config_starts_a_dynamic_scale_within_its_bounds():
-    saved = lossscale.config(STATES[3])
-    assert float(lossscale.from_config(saved).scale) == 8.0
+    saved = STATES[3].get_config()
+    assert float(lossscale.LossScale.from_config(saved).scale) == 8.0
 
 
 @pytest.mark.parametrize("first", STATES, ids=repr)
 @pytest.mark.parametrize("second", STATES, ids=repr)
 def test_check_config_refuses_every_other_kind_or_setting(first, second):
-    saved = lossscale.config(first)
+    saved = first.get_config()
     if first is second:
         lossscale.check_config(saved, second)
     else:
@@ -67,4 +70,4 @@ def test_check_config_refuses_every_other_kind_or_setting(first, second):
 )
 def test_from_config_refuses_what_config_cannot_have_written(saved, match):
     with pytest.raises(ValueError, match=match):
-        lossscale.from_config(saved)
+        lossscale.LossScale.from_config(saved)

@@ -42,7 +42,7 @@ def test_gradients_are_those_of_the_scaled_loss_and_the_loss_is_not(argnums):
 
 def test_without_aux_returns_loss_and_gradients():
     grad_fn = lossscale.value_and_grad(lambda w: jnp.sum(w**2))
-    loss, grads = grad_fn(8.0, W)
+    loss, grads = grad_fn(lossscale.StaticLossScale(8.0), W)
     np.testing.assert_allclose(loss, jnp.sum(W**2))
     np.testing.assert_allclose(grads, 8.0 * 2 * W)
 
@@ -54,7 +54,7 @@ def test_the_loss_keeps_its_dtype_while_the_scaled_loss_is_float32():
         return jnp.sum(w.astype(jnp.float16)) ** 2
 
     w = jnp.array([100.0, 100.0, 40.0])
-    loss, grads = lossscale.value_and_grad(f16_loss)(4.0, w)
+    loss, grads = lossscale.value_and_grad(f16_loss)(lossscale.StaticLossScale(4), w)
     assert loss.dtype == jnp.float16 and float(loss) == 57600.0
     np.testing.assert_array_equal(grads, np.full(3, 1920.0, np.float32))
 
@@ -106,11 +106,12 @@ def test_bad_settings_are_refused_eagerly(kwargs, error, match):
 def test_bad_calls_name_the_problem():
     with pytest.raises(TypeError, match="callable"):
         lossscale.value_and_grad(3)
+    one = lossscale.NoOpLossScale()
     with pytest.raises(ValueError, match="1 positional"):
-        lossscale.value_and_grad(loss_fn, argnums=1)(1.0, W)
+        lossscale.value_and_grad(loss_fn, argnums=1)(one, W)
     with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`"):
-        lossscale.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(1.0, W)
+        lossscale.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(one, W)
     with pytest.raises(ValueError, match="scalar"):
-        lossscale.value_and_grad(lambda w: w)(1.0, W)
+        lossscale.value_and_grad(lambda w: w)(one, W)
     with pytest.raises(TypeError, match="loss-scale state"):
         lossscale.value_and_grad(lambda w: jnp.sum(w))(object(), W)

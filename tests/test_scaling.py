@@ -31,17 +31,61 @@ def test_scale_loss_promotes_to_float32_and_cannot_overflow(dtype):
 
 
 @pytest.mark.parametrize(
-    ("spec", "expected"),
+    ("state", "expected"),
     [
-        (None, 1.0),
-        (4, 4.0),
-        (0.5, 0.5),
-        ("dynamic", 2.0**15),
-        (lossscale.StaticLossScale(8), 8.0),
+        (lossscale.NoOpLossScale(), 1.0),
+        (lossscale.StaticLossScale(4), 4.0),
+        (lossscale.StaticLossScale(0.5), 0.5),
+        (lossscale.DynamicLossScale(), 2.0**15),
+        (lossscale.DynamicLossScale(initial_scale=8.0), 8.0),
     ],
 )
-def test_scale_loss_accepts_every_loss_scale_spec(spec, expected):
-    assert float(lossscale.scale_loss(jnp.float32(1.5), spec)) == 1.5 * expected
+def test_scale_loss_takes_every_kind_of_state(state, expected):
+    assert float(lossscale.scale_loss(jnp.float32(1.5), state)) == 1.5 * expected
+
+
+def test_scale_loss_of_a_function_returns_a_function_as_tf_does():
+    # TF's `get_scaled_loss(loss)` takes a callable of no arguments as well.
+    loss_scale = lossscale.StaticLossScale(8)
+    scaled = lossscale.scale_loss(lambda: jnp.float16(1.5), loss_scale)
+    assert callable(scaled)
+    assert scaled().dtype == jnp.float32 and float(scaled()) == 12.0
+    grad = jax.grad(lambda w: lossscale.scale_loss(lambda: w**2, loss_scale)())(3.0)
+    assert float(grad) == 8 * 2 * 3.0
+    with pytest.raises(TypeError, match="function of no arguments"):
+        lossscale.scale_loss(lambda x: x, loss_scale)
+
+
+SPECS = [None, 4, 0.5, "dynamic", np.float32(2.0), jnp.float32(2.0)]
+PER_STEP_CALLS = {
+    "scale_loss": lambda spec: lossscale.scale_loss(jnp.float32(1.0), spec),
+    "unscale_grads": lambda spec: lossscale.unscale_grads({"w": jnp.ones(2)}, spec),
+    "value_and_grad": lambda spec: lossscale.value_and_grad(jnp.sum)(spec, jnp.ones(2)),
+    "check_config": lambda spec: lossscale.check_config({"kind": "none"}, spec),
+}
+
+
+@pytest.mark.parametrize("call", sorted(PER_STEP_CALLS))
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_per_step_functions_refuse_specs_and_say_what_to_pass(call, spec):
+    with pytest.raises(TypeError, match="describes a loss scale to create") as info:
+        PER_STEP_CALLS[call](spec)
+    assert "StaticLossScale" in str(info.value)
+
+
+def test_the_issue_example_no_longer_steps_with_a_fresh_scale():
+    # A wrapped optimizer backs off to 2**14; a fresh "dynamic" spec in the loss
+    # would have scaled by 2**15 and doubled the step. Now it is an error.
+    tx = lossscale.wrap(optax.sgd(1.0), "dynamic")
+    p = jnp.array(1.0)
+    s = tx.init(p)
+    g = jax.grad(lambda p: lossscale.scale_loss(p * jnp.inf, s))(p)
+    _, s = tx.update(g, s, p)
+    with pytest.raises(TypeError, match="describes a loss scale to create"):
+        jax.grad(lambda p: lossscale.scale_loss(p**2 / 2, "dynamic"))(p)
+    g = jax.grad(lambda p: lossscale.scale_loss(p**2 / 2, s))(p)
+    u, s = tx.update(g, s, p)
+    assert float(u) == -1.0
 
 
 def test_scale_loss_accepts_an_optimizer_state_holding_a_loss_scale():
@@ -55,7 +99,9 @@ def test_gradient_of_scaled_loss_is_scaled_gradient():
         return jnp.sum(jnp.sin(w) * w)
 
     w = jnp.linspace(-2.0, 2.0, 7)
-    grads = jax.grad(lambda w: lossscale.scale_loss(loss(w), 1024))(w)
+    grads = jax.grad(
+        lambda w: lossscale.scale_loss(loss(w), lossscale.StaticLossScale(1024))
+    )(w)
     np.testing.assert_array_equal(grads, jax.grad(loss)(w) * 1024)
 
 
@@ -71,15 +117,13 @@ def test_gradient_of_scaled_loss_is_scaled_gradient():
 )
 def test_scale_loss_rejects_bad_losses(loss, error, message):
     with pytest.raises(error, match=message):
-        lossscale.scale_loss(loss, 2.0)
+        lossscale.scale_loss(loss, lossscale.StaticLossScale(2.0))
 
 
 @pytest.mark.parametrize(
     ("spec", "error", "message"),
     [
-        ("static", ValueError, "only string allowed is 'dynamic'"),
-        ("Dynamic", ValueError, "'dynamic'"),
-        (-1.0, ValueError, "positive"),
+        ("static", TypeError, "loss-scale state"),
         (True, TypeError, "loss_scale"),
         ({"not": "an optimizer state"}, TypeError, "no loss-scale state inside"),
         ([1.0, 2.0], TypeError, "loss_scale"),
@@ -104,7 +148,8 @@ def numpy_unscale(grad, scale):
 def test_unscale_grads_matches_numpy_and_keeps_dtype(dtype, scale):
     rng = np.random.default_rng(0)
     grad = (rng.standard_normal(257) * 100).astype(dtype)
-    out = jax.jit(lambda g: lossscale.unscale_grads(g, scale))({"g": grad})["g"]
+    state = lossscale.StaticLossScale(scale)
+    out = jax.jit(lambda g: lossscale.unscale_grads(g, state))({"g": grad})["g"]
     assert out.dtype == grad.dtype
     np.testing.assert_array_equal(np.asarray(out), numpy_unscale(grad, scale))
 
@@ -117,7 +162,7 @@ def test_unscale_grads_is_exact_division_for_power_of_two_scales():
 
 def test_unscale_grads_passes_none_leaves_and_keeps_structure():
     grads = {"a": jnp.full([2], 8.0), "frozen": None, "nested": (jnp.float16(4.0),)}
-    out = lossscale.unscale_grads(grads, 4.0)
+    out = lossscale.unscale_grads(grads, lossscale.StaticLossScale(4.0))
     assert jax.tree.structure(out, is_leaf=lambda x: x is None) == jax.tree.structure(
         grads, is_leaf=lambda x: x is None
     )
@@ -128,12 +173,15 @@ def test_unscale_grads_passes_none_leaves_and_keeps_structure():
 
 def test_unscale_grads_with_noop_is_identity():
     grads = {"a": jnp.arange(3.0)}
-    assert lossscale.unscale_grads(grads, None)["a"] is grads["a"]
+    assert lossscale.unscale_grads(grads, lossscale.NoOpLossScale())["a"] is grads["a"]
 
 
 def test_unscale_grads_rejects_integer_gradients_naming_the_leaf():
     with pytest.raises(TypeError, match=r"\['count'\].*int32"):
-        lossscale.unscale_grads({"w": jnp.ones(2), "count": jnp.ones(2, jnp.int32)}, 2)
+        lossscale.unscale_grads(
+            {"w": jnp.ones(2), "count": jnp.ones(2, jnp.int32)},
+            lossscale.StaticLossScale(2),
+        )
 
 
 def test_float16_gradients_that_underflow_at_scale_1_are_recovered_with_scaling():
@@ -151,7 +199,7 @@ def test_float16_gradients_that_underflow_at_scale_1_are_recovered_with_scaling(
         return lossscale.unscale_grads(grads, loss_scale)
 
     exact = np.asarray(x, np.float64) / n  # the true gradient, 2.4e-9 to 1.2e-8
-    unscaled = grads_with(None)
+    unscaled = grads_with(lossscale.NoOpLossScale())
     scaled = grads_with(lossscale.DynamicLossScale())
     assert np.count_nonzero(np.asarray(unscaled)) == 0  # every element underflowed
     relative_error = np.abs(np.asarray(scaled, np.float64) - exact) / exact

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from lossscale._src import loss_scale as loss_scale_lib
-from lossscale._src import scaling
+from lossscale._src import checks
+from lossscale._src import lookup
+from lossscale._src import step
+from lossscale._src.base import LossScale
 
 
 def apply_gradients(
@@ -18,12 +19,12 @@ def apply_gradients(
     grads: Any,
     params: Any,
     opt_state: optax.OptState,
-    loss_scale: loss_scale_lib.LossScale,
+    loss_scale: LossScale,
     value: jax.typing.ArrayLike | None = None,
-    axis_name: scaling.AxisName | None = None,
+    axis_name: checks.AxisName | None = None,
     clip_norm: float | None = None,
     **extra_args: Any,
-) -> tuple[Any, optax.OptState, loss_scale_lib.LossScale]:
+) -> tuple[Any, optax.OptState, LossScale]:
     """Applies the gradients of a scaled loss with `tx`, or skips the step.
 
     The functional form of `lossscale.flax.TrainState.apply_gradients`, for train
@@ -93,26 +94,20 @@ def apply_gradients(
       >>> print(params, loss_scale.scale, loss_scale.forward_overflows)
       0.5 32768.0 1
     """
-    check_transformation(tx, "tx")
-    if not isinstance(loss_scale, loss_scale_lib.LossScale):
+    checks.check_transformation(tx, "tx")
+    if not isinstance(loss_scale, LossScale):
         raise TypeError(
             "`loss_scale` must be a loss-scale state (e.g."
             " `lossscale.DynamicLossScale()`), carried from step to step, got"
             f" {type(loss_scale).__name__}. (A number or 'dynamic' would start"
             " afresh every step.)"
         )
-    scaling.check_axis_name(axis_name)
-    clip_norm = check_clip_norm(clip_norm)
-    if loss_scale_lib.find_loss_scales(opt_state):
-        raise ValueError(
-            "`opt_state` holds a loss-scale state: `tx` is wrapped with"
-            " `lossscale.wrap` already. Pass the unwrapped optimizer and its state;"
-            " `apply_gradients` unscales the gradients itself."
-        )
+    options = checks.step_options(axis_name, clip_norm)
+    lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
     if value is not None:
         extra_args["value"] = value
     params, opt_state, loss_scale, _ = apply_or_skip(
-        tx, grads, params, opt_state, loss_scale, axis_name, clip_norm, extra_args
+        tx, grads, params, opt_state, loss_scale, options, extra_args
     )
     return params, opt_state, loss_scale
 
@@ -122,118 +117,26 @@ def apply_or_skip(
     grads: Any,
     params: Any,
     opt_state: optax.OptState,
-    loss_scale: loss_scale_lib.LossScale,
-    axis_name: scaling.AxisName | None,
-    clip_norm: float | None,
+    loss_scale: LossScale,
+    options: checks.StepOptions,
     extra_args: dict[str, Any],
-) -> tuple[Any, optax.OptState, loss_scale_lib.LossScale, jax.Array]:
-    """`apply_gradients` on checked settings; also returns whether it applied."""
-    scaling.check_gradients(grads, params)
-    grads_finite, loss_finite, norm = finite_flags(
-        grads, params, loss_scale, extra_args.get("value"), axis_name, clip_norm
-    )
-    applied = grads_finite & loss_finite
+) -> tuple[Any, optax.OptState, LossScale, jax.Array]:
+    """`apply_gradients` on checked arguments; also returns whether it applied."""
     if extra_args:
         tx = optax.with_extra_args_support(tx)
 
-    def apply_step(operands):
-        params, opt_state, grads = operands
-        updates, opt_state = tx.update(
-            unscaled(grads, params, loss_scale, norm, clip_norm),
-            opt_state,
-            params,
-            **extra_args,
-        )
-        return optax.apply_updates(params, updates), opt_state
+    def optimizer_step(grads, carry):
+        params, opt_state = carry
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+        return None, (optax.apply_updates(params, updates), opt_state)
 
-    def skip_step(operands):
-        params, opt_state, _ = operands
-        return params, opt_state
-
-    operands = (params, opt_state, grads)
-    check_same_types(jax.eval_shape(apply_step, operands), (params, opt_state))
-    params, opt_state = jax.lax.cond(applied, apply_step, skip_step, operands)
-    loss_scale = loss_scale_lib.update(loss_scale, grads_finite, loss_finite)
-    return params, opt_state, loss_scale, applied
-
-
-def finite_flags(
-    grads: Any,
-    params: Any,
-    loss_scale: loss_scale_lib.LossScale,
-    value: Any,
-    axis_name: scaling.AxisName | None,
-    clip_norm: float | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Whether the unscaled gradients, and the loss `value`, are finite.
-
-    With `clip_norm`, the check is the gradients' global norm (also returned), so
-    clipping costs no pass of its own; else the norm is None.
-    """
-    loss_finite = jnp.asarray(True) if value is None else scaling.loss_is_finite(value)
-    if clip_norm is None:
-        norm = None
-        grads_finite = scaling.finite_after_unscale(grads, loss_scale, params)
-    else:
-        norm = scaling.global_norm_after_unscale(grads, loss_scale, params)
-        grads_finite = jnp.isfinite(norm)
-    # One collective for both flags, when there is one.
-    grads_finite, loss_finite = scaling.agree(
-        jnp.stack([grads_finite, loss_finite]), axis_name
+    _, (params, opt_state), loss_scale, applied = step.guarded_step(
+        loss_scale,
+        grads,
+        params,
+        extra_args.get("value"),
+        options,
+        optimizer_step,
+        (params, opt_state),
     )
-    return grads_finite, loss_finite, norm
-
-
-def unscaled(
-    grads: Any,
-    params: Any,
-    loss_scale: loss_scale_lib.LossScale,
-    norm: jax.Array | None,
-    clip_norm: float | None,
-) -> Any:
-    """The gradients the inner transformation sees: unscaled, clipped if asked."""
-    grads = scaling.unscale(grads, loss_scale, params)
-    return grads if clip_norm is None else scaling.clip(grads, norm, clip_norm)
-
-
-def check_clip_norm(clip_norm: Any) -> float | None:
-    """`clip_norm` as a float, or None; raises for anything but a positive number."""
-    if clip_norm is None:
-        return None
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
-        raise TypeError(
-            "`clip_norm` must be None or a positive number (the global norm to clip"
-            f" the unscaled gradients to), got {type(clip_norm).__name__}."
-        )
-    if not 0 < clip_norm < float("inf"):
-        raise ValueError(f"`clip_norm` must be positive and finite, got {clip_norm!r}.")
-    return float(clip_norm)
-
-
-def check_transformation(tx: Any, name: str) -> None:
-    """Raises `TypeError` unless `tx` is an optax transformation."""
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(
-            f"`{name}` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
-            f" got {type(tx).__name__}."
-        )
-
-
-def check_same_types(new_state: Any, old_state: Any) -> None:
-    """Raises a clear error if an update changed its state's tree or leaf types."""
-    new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)
-    old_leaves, old_def = jax.tree.flatten(old_state)
-    if new_def != old_def:
-        raise ValueError(
-            "The inner transformation's `update` returned a state with another tree"
-            f" structure than it was given: {new_def} vs {old_def}."
-        )
-    for (path, new), old in zip(new_paths, old_leaves, strict=True):
-        old_shape, old_dtype = jnp.shape(old), jnp.result_type(old)
-        if new.shape != old_shape or new.dtype != old_dtype:
-            raise TypeError(
-                "The inner transformation's `update` changed the state leaf at"
-                f" {jax.tree_util.keystr(path)} from {old_dtype}{list(old_shape)} to"
-                f" {new.dtype}{list(new.shape)}; a skipped step could not keep it."
-                " Initialise the inner state with the dtypes its update produces."
-            )
+    return params, opt_state, loss_scale, applied

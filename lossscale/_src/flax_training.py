@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -15,10 +14,12 @@ from flax import struct
 from flax.training import train_state
 
 from lossscale._src import apply
-from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import checks
+from lossscale._src import kinds
+from lossscale._src import lookup
 from lossscale._src import metrics as metrics_lib
-from lossscale._src import scaling
 from lossscale._src import wrapper
+from lossscale._src.base import LossScale
 
 # Flax's marker for fp8 "overwrite with gradient" collections.
 _OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
@@ -77,7 +78,7 @@ class TrainState(train_state.TrainState):
       0.5 1 16384.0
     """
 
-    loss_scale: loss_scale_lib.LossScale = struct.field(pytree_node=True)
+    loss_scale: LossScale = struct.field(pytree_node=True)
     axis_name: Any = struct.field(pytree_node=False, default=None)
     clip_norm: float | None = struct.field(pytree_node=False, default=None)
 
@@ -88,8 +89,8 @@ class TrainState(train_state.TrainState):
         apply_fn,
         params,
         tx: optax.GradientTransformation,
-        loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
-        axis_name: scaling.AxisName | None = None,
+        loss_scale: kinds.LossScaleLike = "dynamic",
+        axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs,
     ) -> TrainState:
@@ -119,27 +120,21 @@ class TrainState(train_state.TrainState):
             not positive, or `params` uses Flax's fp8 `_overwrite_with_gradient`
             collection.
         """
-        apply.check_transformation(tx, "tx")
+        checks.check_transformation(tx, "tx")
         _refuse_overwrite_with_gradient(params, "params")
-        scaling.check_axis_name(axis_name)
-        clip_norm = apply.check_clip_norm(clip_norm)
-        template = loss_scale_lib.as_loss_scale(loss_scale)
+        options = checks.step_options(axis_name, clip_norm)
+        template = kinds.from_spec(loss_scale)
         opt_state = tx.init(params)
-        if loss_scale_lib.find_loss_scales(opt_state):
-            raise ValueError(
-                "`tx` holds a loss-scale state: it is wrapped with `lossscale.wrap`"
-                " already. Pass the unwrapped optimizer and the loss scale as"
-                " `loss_scale=...`; the train state unscales the gradients itself."
-            )
+        lookup.refuse_wrapped(opt_state, "tx", "the train state")
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
             params=params,
             tx=tx,
             opt_state=opt_state,
-            loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), template),
-            axis_name=axis_name,
-            clip_norm=clip_norm,
+            loss_scale=kinds.fresh_copy(template),
+            axis_name=options.axis_name,
+            clip_norm=options.clip_norm,
             **kwargs,
         )
 
@@ -167,8 +162,7 @@ class TrainState(train_state.TrainState):
             self.params,
             self.opt_state,
             self.loss_scale,
-            self.axis_name,
-            self.clip_norm,
+            checks.StepOptions(self.axis_name, self.clip_norm),
             {},
         )
         step = jnp.asarray(self.step)
@@ -231,8 +225,8 @@ class Optimizer(nnx.Optimizer):
         tx: optax.GradientTransformation,
         *,
         wrt,
-        loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
-        axis_name: scaling.AxisName | None = None,
+        loss_scale: kinds.LossScaleLike = "dynamic",
+        axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs,
     ):
@@ -240,9 +234,9 @@ class Optimizer(nnx.Optimizer):
         super().__init__(model, tx, wrt=wrt, **kwargs)
 
     @property
-    def loss_scale(self) -> loss_scale_lib.LossScale:
+    def loss_scale(self) -> LossScale:
         """The loss-scale state, with plain arrays as leaves."""
-        return loss_scale_lib.get_loss_scale(nnx.as_pure(self.opt_state))
+        return lookup.get_loss_scale(nnx.as_pure(self.opt_state))
 
     def update(self, model, grads, /, **kwargs) -> optax.Updates:
         """Updates the model from gradients of the scaled loss; see `nnx.Optimizer`.

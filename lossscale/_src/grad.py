@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
-from lossscale._src import loss_scale as loss_scale_lib
-from lossscale._src import scaling
+from lossscale._src import functional
+from lossscale._src import lookup
 
 
 def value_and_grad(
@@ -23,7 +23,8 @@ def value_and_grad(
 
     The returned function is called as `g(loss_scale, *args, **kwargs)`: its first
     argument is the loss-scale state (or an optimizer state or train state holding
-    one), the others are `fun`'s own, and `argnums` counts within those, as in
+    one; a number, "dynamic" or None is refused, see `lossscale.scale_loss`), the
+    others are `fun`'s own, and `argnums` counts within those, as in
     `jax.value_and_grad`. What is scaled and what is not:
 
     * the gradients are those of `scale_loss(fun(*args, **kwargs), loss_scale)`:
@@ -81,10 +82,10 @@ def value_and_grad(
             loss, aux = out
         else:
             loss, aux = out, None
-        return scaling.scale_loss(loss, state), (loss, aux)
+        return functional.scale_loss(loss, state), (loss, aux)
 
     def grad_fn(loss_scale, *args, **kwargs):
-        state = loss_scale_lib.resolve_loss_scale(loss_scale)
+        state = lookup.state_of(loss_scale)
         if max(_entries(argnums)) >= len(args):
             raise ValueError(
                 f"`argnums` is {argnums!r} but `fun` was given {len(args)}"

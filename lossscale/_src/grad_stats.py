@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import checks
+from lossscale._src import lookup
 
 _FLOAT16 = np.finfo(np.float16)
 # Nonzero magnitudes below the smallest subnormal (2**-24) are lost in float16.
@@ -29,8 +30,10 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
 
     Args:
       grads: a pytree of floating-point gradients.
-      loss_scale: the scale to evaluate at: a loss-scale state, a number,
-        `"dynamic"`, `None` (scale 1) or an optimizer state holding one.
+      loss_scale: the scale to evaluate at: a number (a scale to try), `None`
+        (scale 1), or a loss-scale state or a tree holding one (its current
+        scale). Unlike the per-step functions, this asks a question about a
+        scale, so a number is allowed here.
 
     Returns:
       A dict with the overall figures and, under `"leaves"`, the same figures per
@@ -48,7 +51,8 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
         it already does; inf for an all-zero tree).
 
     Raises:
-      TypeError: if a leaf is not floating point.
+      TypeError: if a leaf is not floating point, or `loss_scale` is none of the
+        above.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -61,8 +65,7 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
       >>> print(stats["underflow_fraction"], round(float(stats["headroom_bits"]), 3))
       0.0 4.999
     """
-    state = loss_scale_lib.resolve_loss_scale(loss_scale)
-    scale = jnp.asarray(state.scale, jnp.float32)
+    scale = _scale_to_evaluate_at(loss_scale)
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
     per_leaf = {}
     totals = []
@@ -117,3 +120,11 @@ def _figures(counts: dict[str, jax.Array], scale: jax.Array) -> dict[str, jax.Ar
         "overflow_fraction": counts["overflows"] / size,
         "headroom_bits": jnp.log2(jnp.float32(_FLOAT16.max) / (max_abs * scale)),
     }
+
+
+def _scale_to_evaluate_at(loss_scale: Any) -> jax.Array:
+    if loss_scale is None:
+        return jnp.ones([], jnp.float32)
+    if checks.is_number(loss_scale):
+        return jnp.asarray(loss_scale, jnp.float32)
+    return jnp.asarray(lookup.state_of(loss_scale).scale, jnp.float32)

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lossscale._src import loss_scale as loss_scale_lib
+from lossscale._src import lookup
 
 
 def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
@@ -53,7 +53,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       last_finite True
       stuck False
     """
-    state = loss_scale_lib.get_loss_scale(opt_state_or_loss_scale)
+    state = lookup.get_loss_scale(opt_state_or_loss_scale)
     # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
     skipped_steps = jnp.asarray(state.skipped_steps)
     forward_overflows = jnp.asarray(state.forward_overflows)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import optax
 
-from lossscale._src import apply
-from lossscale._src import loss_scale as loss_scale_lib
-from lossscale._src import scaling
+from lossscale._src import checks
+from lossscale._src import kinds
+from lossscale._src import lookup
+from lossscale._src import step
+from lossscale._src.base import LossScale
 
 
 class WrapState(NamedTuple):
@@ -32,15 +32,15 @@ class WrapState(NamedTuple):
       0
     """
 
-    loss_scale: loss_scale_lib.LossScale
+    loss_scale: LossScale
     inner_state: optax.OptState
 
 
 def wrap(
     inner: optax.GradientTransformation,
-    loss_scale: loss_scale_lib.LossScaleLike = "dynamic",
+    loss_scale: kinds.LossScaleLike = "dynamic",
     *,
-    axis_name: scaling.AxisName | None = None,
+    axis_name: checks.AxisName | None = None,
     clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with loss scaling.
@@ -48,46 +48,33 @@ def wrap(
     The returned transformation's `update` takes the gradients of the *scaled* loss
     (see `lossscale.scale_loss`). Each step it:
 
-    1. checks with one `jnp.isfinite` reduction over the gradients whether the
-       unscaled gradients are all finite;
-    2. with `jax.lax.cond`, either runs `inner.update` on the gradients divided by
-       the scale (the division sits inside the applied branch, where XLA fuses it
-       into the inner update; a gradient narrower than its parameter, float16 for
-       a float32 parameter, is unscaled into the parameter's dtype, so small
-       values do not underflow again), or skips it: the updates are zeros and the
-       inner state is returned untouched, so moments, step counts and schedules
-       do not advance (the zeros are negative zeros, so `optax.apply_updates`
-       leaves every parameter bit for bit as it was);
-    3. updates the loss-scale state with `lossscale.update`, using the scale the
-       loss was multiplied by for the unscaling.
+    1. checks, in one pass over the gradients, whether the unscaled gradients are
+       all finite;
+    2. under one `jax.lax.cond`, either runs `inner.update` on the gradients
+       divided by the scale (a float16 gradient of a float32 parameter is
+       unscaled into float32), or skips it: the updates are negative zeros, which
+       `optax.apply_updates` adds without changing any parameter bit, and the
+       inner state comes back untouched, so moments, counts and schedules do not
+       advance;
+    3. updates the loss-scale state with `lossscale.update`; the unscaling used
+       the scale the loss was multiplied by.
 
-    Steps with non-finite gradients are skipped with every kind of loss scale,
-    static and no-op included (TF's `FixedLossScale` applies them instead).
-
-    Pass the unscaled loss as `update(..., value=loss)` to tell overflows in the
-    forward pass from those in the backward pass: a non-finite `value` skips the
-    step without backing off the scale (a lower scale cannot fix the forward
-    pass), and `lossscale.metrics` counts the two kinds apart. `value` is passed on
-    to `inner` like any extra argument.
+    Every kind of loss scale skips non-finite steps, static and no-op included
+    (TF's `FixedLossScale` applies them). Pass the unscaled loss as
+    `update(..., value=loss)` to tell forward from backward overflows: a
+    non-finite `value` skips the step without backing off the scale, and
+    `lossscale.metrics` counts the two apart; `value` also reaches `inner`, like
+    every extra argument. Transformations inside `inner` (e.g.
+    `optax.clip_by_global_norm`) see the unscaled gradients; `clip_norm=c` does
+    what `optax.clip_by_global_norm(c)` first in `inner` would, in the check's
+    pass. The result composes with `optax.chain`, `optax.MultiSteps` and
+    `optax.inject_hyperparams`. Why each step is computed as it is:
+    `docs/design.md`.
 
     Under `jax.jit` with sharded arrays the decision is global as it is. Inside
-    `shard_map` or `pmap`, where each device holds its own gradients (or shards of
-    them), pass the mapped axis as `axis_name`: the decision is then reduced over
-    it (one scalar collective), so one device's overflow makes every device skip,
-    and every device keeps the same loss-scale state.
-
-    Anything placed inside `inner`, such as `optax.clip_by_global_norm`, sees the
-    true (unscaled) gradients. `clip_norm=c` does what
-    `optax.clip_by_global_norm(c)` first in `inner` would, cheaper: the global
-    norm of the gradients *is* the finiteness check (it is NaN or inf exactly when
-    a gradient is), so clipping costs no pass over the gradients of its own, and
-    its multiply fuses into the inner update. The squares are summed in the scaled
-    domain; an overflow of a square (a scaled float32 gradient above 1.8e19) is
-    taken for a gradient overflow, and the scale backs off.
-
-    The result composes with `optax.chain`, `optax.MultiSteps` and
-    `optax.inject_hyperparams`; extra arguments of `update` are passed on to
-    `inner`.
+    `shard_map` or `pmap`, pass the mapped axis as `axis_name`: one scalar
+    collective makes every device take the same decision and keep the same
+    loss-scale state.
 
     Args:
       inner: the optax transformation to wrap (an `optax.MultiSteps` is taken
@@ -97,7 +84,8 @@ def wrap(
       axis_name: a `shard_map`/`pmap` axis name (or tuple of names) to agree on
         the skip decision over; None under plain `jax.jit`.
       clip_norm: None, or the global norm to clip the unscaled gradients to
-        before `inner` (see above).
+        before `inner`. A scaled float32 gradient whose square overflows (above
+        1.8e19) counts as an overflow, and the scale backs off.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `WrapState`.
@@ -132,22 +120,16 @@ def wrap(
     """
     if isinstance(inner, optax.MultiSteps):
         inner = inner.gradient_transformation()
-    apply.check_transformation(inner, "inner")
+    checks.check_transformation(inner, "inner")
     inner = optax.with_extra_args_support(inner)
-    template = loss_scale_lib.as_loss_scale(loss_scale)
-    scaling.check_axis_name(axis_name)
-    clip_norm = apply.check_clip_norm(clip_norm)
+    template = kinds.from_spec(loss_scale)
+    options = checks.step_options(axis_name, clip_norm)
 
     def init_fn(params):
         inner_state = inner.init(params)
-        if loss_scale_lib.find_loss_scales(inner_state):
-            raise ValueError(
-                "`inner` already holds a loss-scale state: it is wrapped already."
-                " Wrap an optimizer once: nested wraps would unscale twice."
-            )
+        lookup.refuse_wrapped(inner_state, "inner", "`lossscale.wrap`")
         # Fresh buffers on every call, so the state is safe to donate.
-        fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), template)
-        return WrapState(loss_scale=fresh, inner_state=inner_state)
+        return WrapState(kinds.fresh_copy(template), inner_state)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, WrapState):
@@ -155,44 +137,19 @@ def wrap(
                 "`state` must be the `WrapState` returned by this transformation's"
                 f" `init`, got {type(state).__name__}."
             )
-        scaling.check_gradients(updates, params)
-        current = state.loss_scale
-        grads_finite, loss_finite, norm = apply.finite_flags(
-            updates, params, current, extra_args.get("value"), axis_name, clip_norm
+
+        def inner_step(grads, inner_state):
+            return inner.update(grads, inner_state, params, **extra_args)
+
+        updates, inner_state, loss_scale, _ = step.guarded_step(
+            state.loss_scale,
+            updates,
+            params,
+            extra_args.get("value"),
+            options,
+            inner_step,
+            state.inner_state,
         )
-        applied = grads_finite & loss_finite
-
-        def apply_step(operands):
-            grads, inner_state, params = operands
-            return inner.update(
-                apply.unscaled(grads, params, current, norm, clip_norm),
-                inner_state,
-                params,
-                **extra_args,
-            )
-
-        operands = (updates, state.inner_state, params)
-        # The skipped branch must match the applied one's output types: the inner
-        # update may change dtypes (float16 gradients, float32 updates), which is
-        # where `optax.apply_if_finite` fails.
-        applied_types = jax.eval_shape(apply_step, operands)
-
-        def skip_step(operands):
-            _, inner_state, _ = operands
-            # Negative zeros: `p + (-0.0)` is `p` bit for bit, even for p = -0.0
-            # (with +0.0 it would come back +0.0), so applying them changes nothing.
-            # `full_like` of the applied types also keeps their `shard_map` typing
-            # (which axes the values vary over).
-            zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), applied_types[0])
-            return zeros, inner_state
-
-        apply.check_same_types(applied_types[1], state.inner_state)
-        new_updates, new_inner_state = jax.lax.cond(
-            applied, apply_step, skip_step, operands
-        )
-        return new_updates, WrapState(
-            loss_scale=loss_scale_lib.update(current, grads_finite, loss_finite),
-            inner_state=new_inner_state,
-        )
+        return updates, WrapState(loss_scale, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,253 @@
+"""Argument checks: each raises `TypeError`/`ValueError` naming the argument and fix.
+
+They run eagerly, on static information (types, dtypes, shapes, tree structures),
+never on traced values.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+AxisName = str | tuple[str, ...]
+
+
+class StepOptions(NamedTuple):
+    """The settings of a guarded step, checked once where the step is built."""
+
+    axis_name: AxisName | None
+    clip_norm: float | None
+
+
+def step_options(axis_name: Any, clip_norm: Any) -> StepOptions:
+    """Checks `axis_name` and `clip_norm`; raises naming the bad one."""
+    return StepOptions(check_axis_name(axis_name), check_clip_norm(clip_norm))
+
+
+def check_axis_name(axis_name: Any) -> AxisName | None:
+    """`axis_name` if it is None, a str or a non-empty tuple of str."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if (
+        isinstance(axis_name, tuple)
+        and axis_name
+        and all(isinstance(name, str) for name in axis_name)
+    ):
+        return axis_name
+    raise TypeError(
+        "`axis_name` must be None, a mapped axis name (a str) or a non-empty tuple"
+        f" of them, got {axis_name!r}."
+    )
+
+
+def check_clip_norm(clip_norm: Any) -> float | None:
+    """`clip_norm` as a float, or None; raises for anything but a positive number."""
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
+        raise TypeError(
+            "`clip_norm` must be None or a positive number (the global norm to clip"
+            f" the unscaled gradients to), got {type(clip_norm).__name__}."
+        )
+    if not 0 < clip_norm < float("inf"):
+        raise ValueError(f"`clip_norm` must be positive and finite, got {clip_norm!r}.")
+    return float(clip_norm)
+
+
+def check_transformation(tx: Any, name: str) -> None:
+    """Raises `TypeError` unless `tx` is an optax transformation."""
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"`{name}` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
+            f" got {type(tx).__name__}."
+        )
+
+
+def as_predicate(name: str, value: Any) -> jax.Array:
+    """`value` as a boolean scalar array; raises unless it is one."""
+    if isinstance(value, bool | np.bool_):
+        return jnp.asarray(value, jnp.bool_)
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(
+            f"`{name}` must be a boolean scalar (a bool or a `jnp.bool_` array), got"
+            f" {type(value).__name__}."
+        )
+    if shape != ():
+        raise ValueError(
+            f"`{name}` must be a scalar, got shape {tuple(shape)}; reduce it first,"
+            " e.g. with `lossscale.all_finite`."
+        )
+    if dtype != jnp.bool_:
+        raise TypeError(f"`{name}` must be boolean, got dtype {dtype}.")
+    return jnp.asarray(value)
+
+
+def check_loss(loss: Any, name: str = "loss") -> jax.Array:
+    """`loss` as a floating-point scalar array; raises unless it is one."""
+    dtype = getattr(loss, "dtype", None)
+    if dtype is None:
+        if isinstance(loss, float):
+            return jnp.asarray(loss, jnp.float32)
+        raise TypeError(
+            f"`{name}` must be a floating-point scalar array, got"
+            f" {type(loss).__name__}."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` must be floating point, got dtype {dtype}. Gradients of an"
+            " integer loss are zero; compute the loss in floating point."
+        )
+    if getattr(loss, "shape", ()) != ():
+        raise ValueError(
+            f"`{name}` must be a scalar, got shape {tuple(loss.shape)}. Reduce it"
+            " first, e.g. with `jnp.mean`."
+        )
+    return jnp.asarray(loss)
+
+
+def check_gradients(grads: Any, params: Any = None, name: str = "grads") -> None:
+    """Raises for sparse, non-float or mismatched gradient trees, naming the leaf."""
+    refuse_sparse(grads, name)
+    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
+    for path, leaf in paths_and_leaves:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"Gradients must be floating-point arrays; the leaf at"
+                f" {_where(path)} has dtype {dtype} ({type(leaf).__name__})."
+                " Differentiate with respect to floating-point parameters only."
+            )
+    if params is not None:
+        # None marks a masked-out leaf in optax: compare structures up to it.
+        grads_def = jax.tree.structure(grads, is_leaf=_is_none)
+        params_def = jax.tree.structure(params, is_leaf=_is_none)
+        if grads_def != params_def:
+            raise ValueError(
+                "The gradients and `params` must have the same tree structure, got"
+                f" {grads_def} and {params_def}."
+            )
+
+
+def refuse_sparse(tree: Any, name: str) -> None:
+    """Raises `TypeError` if `tree` holds a `jax.experimental.sparse` array.
+
+    Their duplicate indices are summed only when densified, so a check of the
+    stored values misses an overflow of the sum (two float16 entries of 64000 at
+    one index), and optax's transformations treat their integer indices as
+    values (an SGD step moves them). Dense gradients are the supported input.
+    """
+    sparse = sys.modules.get("jax.experimental.sparse")
+    if sparse is None:  # nobody imported it, so no leaf can be sparse
+        return
+    found, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, sparse.JAXSparse)
+    )
+    for path, leaf in found:
+        if isinstance(leaf, sparse.JAXSparse):
+            raise TypeError(
+                f"`{name}` holds a sparse `{type(leaf).__name__}` at {_where(path)};"
+                " lossscale takes dense gradients. Duplicate indices are summed only"
+                " when densified, so an overflow of their sum would go unseen, and"
+                " optax's transformations update a sparse array's indices as if"
+                " they were values. Pass `leaf.todense()`, or keep the parameter"
+                " dense."
+            )
+
+
+def check_same_types(new_state: Any, old_state: Any) -> None:
+    """Raises a clear error if an update changed its state's tree or leaf types."""
+    new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)
+    old_leaves, old_def = jax.tree.flatten(old_state)
+    if new_def != old_def:
+        raise ValueError(
+            "The inner transformation's `update` returned a state with another tree"
+            f" structure than it was given: {new_def} vs {old_def}."
+        )
+    for (path, new), old in zip(new_paths, old_leaves, strict=True):
+        old_shape, old_dtype = jnp.shape(old), jnp.result_type(old)
+        if new.shape != old_shape or new.dtype != old_dtype:
+            raise TypeError(
+                "The inner transformation's `update` changed the state leaf at"
+                f" {_where(path)} from {old_dtype}{list(old_shape)} to"
+                f" {new.dtype}{list(new.shape)}; a skipped step could not keep it."
+                " Initialise the inner state with the dtypes its update produces."
+            )
+
+
+# -- settings of loss-scale kinds --------------------------------------------------
+
+
+def is_number(value: Any) -> bool:
+    """Whether `value` is a real number: a Python, numpy or 0-d array scalar."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return (
+        getattr(value, "shape", None) == ()
+        and dtype is not None
+        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
+    )
+
+
+def positive_float32(name: str, value: Any, owner: str) -> float:
+    """`value` as the float32 value a rule computes with; > 0 and finite there."""
+    number = _concrete_float(name, value, owner)
+    rounded = float(np.float32(number)) if abs(number) <= _FLOAT32_MAX else np.inf
+    if not (np.isfinite(number) and np.isfinite(rounded) and rounded > 0):
+        raise ValueError(
+            f"`{owner}`: `{name}` must be positive and finite in float32 (within"
+            f" (0, {_FLOAT32_MAX:.4g}]), got {value!r}."
+        )
+    return rounded
+
+
+def positive_int32(name: str, value: Any, owner: str) -> int:
+    """`value` as a Python int in [1, 2**31 - 1]."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{owner}`: `{name}` must be an int, got {value!r}"
+            f" ({type(value).__name__})."
+        )
+    if not 1 <= int(value) <= _INT32_MAX:
+        raise ValueError(
+            f"`{owner}`: `{name}` must be an int in [1, {_INT32_MAX}], got {value!r}."
+        )
+    return int(value)
+
+
+def _concrete_float(name: str, value: Any, owner: str) -> float:
+    if not is_number(value):
+        raise TypeError(
+            f"`{owner}`: `{name}` must be a real number, got {value!r}"
+            f" ({type(value).__name__})."
+        )
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(
+            f"`{owner}`: `{name}` must be a concrete number, got a traced value."
+            " Settings are static: pass a Python number. (With"
+            " `optax.inject_hyperparams`, list loss-scale settings in `static_args`.)"
+        ) from None
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _where(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "<root>"

@@ -1,0 +1,204 @@
+"""The per-step functions: scale the loss, unscale gradients, check, select."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._src import checks
+from lossscale._src import lookup
+from lossscale._src import numerics
+from lossscale._src import step
+
+
+def scale_loss(loss: Any, loss_scale: Any) -> Any:
+    """Returns the loss multiplied by the current loss scale.
+
+    Differentiate the result: the gradients come out multiplied by the scale, which
+    keeps small float16 gradients from underflowing. A float16 or bfloat16 loss is
+    promoted to float32 first, so the scaled loss itself cannot overflow (gradients
+    flowing back into float16 computations still can; that is what the dynamic
+    scale detects). As TF's `get_scaled_loss`, it also takes a function of no
+    arguments that returns the loss, and then returns such a function.
+
+    Args:
+      loss: the loss, a floating-point scalar, or a callable of no arguments
+        returning one.
+      loss_scale: the loss-scale state, or a tree holding one (the optimizer
+        state of `lossscale.wrap`, a `lossscale.flax.TrainState`, ...). A number,
+        "dynamic" or None is refused: those create a state, and the step must
+        use the state the optimizer carries.
+
+    Returns:
+      `loss * scale`, in float32 (or in the loss's dtype if wider); for a
+      callable `loss`, a callable returning it.
+
+    Raises:
+      TypeError: if `loss` is not a floating-point array (or a callable of no
+        arguments), or `loss_scale` is not a state or a tree holding one.
+      ValueError: if `loss` is not a scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> loss_scale = lossscale.StaticLossScale(1024)
+      >>> scaled = lossscale.scale_loss(jnp.float16(0.5), loss_scale)
+      >>> print(scaled, scaled.dtype)
+      512.0 float32
+      >>> scaled_fn = lossscale.scale_loss(lambda: jnp.float32(2.0), loss_scale)
+      >>> print(scaled_fn())
+      2048.0
+    """
+    state = lookup.state_of(loss_scale)
+    if callable(loss) and not hasattr(loss, "dtype"):
+        _check_no_arguments(loss)
+        return lambda: scale_loss(loss(), state)
+    loss = checks.check_loss(loss)
+    loss = loss.astype(numerics.wide_dtype(loss.dtype))
+    if numerics.always_one(state):
+        return loss
+    return loss * state.scale.astype(loss.dtype)
+
+
+def unscale_grads(grads: Any, loss_scale: Any) -> Any:
+    """Divides every gradient by the loss scale, keeping each leaf's dtype.
+
+    Each leaf is multiplied by `1 / scale` (computed in float32, as TF does) in
+    float32 or wider, and rounded once to the leaf's dtype. For a power-of-two
+    scale (the dynamic scale's defaults keep it one) this is exactly the quotient.
+    `None` leaves pass through. Keep parameters, and hence gradients, in float32:
+    unscaling into a float16 leaf loses again what scaling kept from underflowing.
+
+    Args:
+      grads: a pytree of floating-point gradients of the scaled loss.
+      loss_scale: the loss-scale state the loss was scaled with, or a tree
+        holding it (see `scale_loss`).
+
+    Returns:
+      The gradients divided by the scale, same tree and dtypes.
+
+    Raises:
+      TypeError: if a gradient leaf is not floating point (or complex), a leaf is
+        a sparse array, or `loss_scale` is not a state or a tree holding one.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> grads = {"w": jnp.array([1024.0, 2048.0]), "b": None}
+      >>> print(lossscale.unscale_grads(grads, lossscale.StaticLossScale(1024))["w"])
+      [1. 2.]
+    """
+    state = lookup.state_of(loss_scale)
+    checks.check_gradients(grads)
+    return numerics.unscale_tree(grads, state)
+
+
+def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array:
+    """Returns True when every element of every leaf of `tree` is finite.
+
+    One reduction per leaf, reading each leaf once (in the form XLA fuses; see
+    `docs/design.md`). Integer and boolean leaves are always finite; `None` leaves
+    are ignored.
+
+    Under `jax.jit` with sharded arrays the result is already global: the
+    reductions are over whole arrays, and XLA adds the cross-device reduction.
+    Inside `shard_map` or `pmap` each device sees only its own shards; pass the
+    mapped axis as `axis_name` to get one answer, the same on every device.
+
+    Args:
+      tree: any pytree of arrays (dense: sparse arrays are refused).
+      axis_name: a mapped axis name (or tuple of names) of `shard_map`/`pmap` to
+        agree over: True only if every device's tree is finite.
+
+    Returns:
+      A boolean scalar array.
+
+    Raises:
+      TypeError: if `axis_name` is not a string or a tuple of strings, or a leaf
+        is a sparse array.
+
+    Examples:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> print(lossscale.all_finite({"a": jnp.ones(3), "b": jnp.float16(2.0)}))
+      True
+      >>> print(lossscale.all_finite({"a": jnp.ones(3), "b": jnp.array(jnp.nan)}))
+      False
+      >>> x = jnp.array([[1.0], [jnp.inf]])  # one row per device of a pmap
+      >>> print(jax.vmap(lambda r: lossscale.all_finite(r, axis_name="i"),
+      ...                axis_name="i")(x))
+      [False False]
+    """
+    axis_name = checks.check_axis_name(axis_name)
+    checks.refuse_sparse(tree, "tree")
+    return step.agree(numerics.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
+
+
+def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
+    """Picks `on_true` or `on_false`, leaf by leaf, by a scalar predicate.
+
+    Both trees must have the same structure, shapes and dtypes. Inside `jax.jit`
+    this is an elementwise select over every leaf; prefer `jax.lax.cond` when the
+    trees are large and the alternative is just to keep the old values (as
+    `lossscale.wrap` does).
+
+    Args:
+      pred: boolean scalar.
+      on_true: the tree returned where `pred` is True.
+      on_false: the tree returned where `pred` is False.
+
+    Returns:
+      A tree like `on_true`.
+
+    Raises:
+      TypeError: if `pred` is not boolean, or leaves differ in dtype.
+      ValueError: if `pred` is not a scalar, or the trees differ in structure or
+        leaf shapes.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> new, old = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([0.0, 0.0])}
+      >>> print(lossscale.select_tree(jnp.array(False), new, old)["w"])
+      [0. 0.]
+    """
+    pred = checks.as_predicate("pred", pred)
+    true_leaves, true_def = jax.tree.flatten(on_true)
+    false_leaves, false_def = jax.tree.flatten(on_false)
+    if true_def != false_def:
+        raise ValueError(
+            "`on_true` and `on_false` must have the same tree structure, got"
+            f" {true_def} and {false_def}."
+        )
+    for index, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if a.shape != b.shape:
+            raise ValueError(
+                f"`select_tree`: leaf {index} has shape {a.shape} in `on_true` but"
+                f" {b.shape} in `on_false`."
+            )
+        if a.dtype != b.dtype:
+            raise TypeError(
+                f"`select_tree`: leaf {index} has dtype {a.dtype} in `on_true` but"
+                f" {b.dtype} in `on_false`."
+            )
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _check_no_arguments(loss_fn: Callable[[], Any]) -> None:
+    try:
+        inspect.signature(loss_fn).bind()
+    except TypeError:
+        raise TypeError(
+            "`loss` must be a floating-point scalar or a function of no arguments"
+            f" returning one (as TF's `get_scaled_loss`); {loss_fn!r} takes"
+            " arguments. Scale its result instead: `scale_loss(loss_fn(x), ...)`,"
+            " or use `lossscale.value_and_grad`."
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin): let the call decide
+        pass

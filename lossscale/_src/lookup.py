@@ -1,0 +1,106 @@
+"""Finding the loss-scale state inside a tree: an optimizer state, a train state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from lossscale._src import checks
+from lossscale._src.base import LossScale
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Returns the loss-scale state held anywhere inside an optimizer state.
+
+    It looks through any pytree: the state of `lossscale.wrap`, and chains,
+    `optax.MultiSteps`, `optax.inject_hyperparams` or other containers around it,
+    a `lossscale.flax.TrainState` or `lossscale.flax.Optimizer`.
+
+    Args:
+      opt_state: an optimizer state (any pytree), or a loss-scale state itself.
+
+    Returns:
+      The one loss-scale state found.
+
+    Raises:
+      ValueError: if there is none, or more than one (e.g. nested wraps).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import lossscale
+      >>> tx = optax.chain(optax.clip(1.0), lossscale.wrap(optax.sgd(0.1)))
+      >>> opt_state = tx.init(jnp.zeros(3))
+      >>> print(lossscale.get_loss_scale(opt_state).scale)
+      32768.0
+    """
+    return _the_one(find_all(opt_state), opt_state)
+
+
+def find_all(tree: Any) -> list[tuple[Any, LossScale]]:
+    """The (key path, state) pairs of every loss-scale state inside `tree`."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda node: isinstance(node, LossScale)
+    )
+    return [(path, leaf) for path, leaf in leaves if isinstance(leaf, LossScale)]
+
+
+def state_of(value: Any, name: str = "loss_scale") -> LossScale:
+    """The state a per-step function works from: `value`, or the one inside it.
+
+    A spec (a number, "dynamic" or None) is refused: it describes a state to
+    create, and a per-step function that created one would work from a fresh
+    state, not the one the optimizer carries (after a back-off, a fresh dynamic
+    scale is 2**15 while the optimizer unscales by 2**14: a silently wrong step).
+    """
+    if isinstance(value, LossScale):
+        return value
+    if value is None or isinstance(value, str) or checks.is_number(value):
+        raise TypeError(
+            f"`{name}` must be a loss-scale state or a tree holding one (the"
+            " optimizer state of `lossscale.wrap`, a `lossscale.flax.TrainState`,"
+            f" ...), got {value!r}. A number, 'dynamic' or None describes a loss"
+            " scale to create (pass it to `lossscale.wrap` or"
+            " `TrainState.create`); a per-step function must read the state that"
+            " the optimizer carries, or it would miss the dynamic scale's"
+            " back-offs. Pass that state, or for a fixed scale"
+            " `lossscale.StaticLossScale(...)`."
+        )
+    found = find_all(value)
+    if found:
+        return _the_one(found, value)
+    raise TypeError(
+        f"`{name}` must be a loss-scale state or a tree holding one; got"
+        f" {type(value).__name__} with no loss-scale state inside."
+    )
+
+
+def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:
+    """Raises `ValueError` if `opt_state` (of the argument `name`) holds a state."""
+    found = find_all(opt_state)
+    if found:
+        where = jax.tree_util.keystr(found[0][0]) or "<root>"
+        raise ValueError(
+            f"`{name}` already holds a loss-scale state (at {where}): the optimizer"
+            " is wrapped with `lossscale.wrap` already. Pass the unwrapped"
+            f" optimizer: {owner} does the loss scaling itself, and an optimizer"
+            " wrapped already would see its gradients unscaled twice."
+        )
+
+
+def _the_one(found: list[tuple[Any, LossScale]], tree: Any) -> LossScale:
+    if not found:
+        raise ValueError(
+            f"No loss-scale state found in `opt_state` (a {type(tree).__name__})."
+            " Build the optimizer with `lossscale.wrap(inner, loss_scale=...)`, or"
+            " pass the loss-scale state itself."
+        )
+    if len(found) > 1:
+        paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in found)
+        raise ValueError(
+            f"`opt_state` holds {len(found)} loss-scale states, at {paths}; which"
+            " one is meant is ambiguous. Wrap the optimizer once, or pass the"
+            " loss-scale state itself."
+        )
+    return found[0][1]

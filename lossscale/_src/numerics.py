@@ -1,0 +1,179 @@
+"""The numerics of checking and unscaling gradients, in as few passes as XLA allows.
+
+Why each formulation is what it is, with the XLA measurements behind it, is in
+`docs/design.md` ("Checking finiteness", "Unscaling").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._src.base import LossScale
+
+
+def reciprocal(state: LossScale) -> jax.Array:
+    """`1 / scale` in float32: gradients are multiplied by it (design.md, Unscaling)."""
+    return jnp.ones([], jnp.float32) / state.scale
+
+
+def always_one(state: LossScale) -> bool:
+    """Whether the scale is 1 at every step (its static bounds are both 1).
+
+    Such a scale (`NoOpLossScale`) leaves losses and gradients untouched.
+    """
+    return state.lowest_scale == 1.0 and state.highest_scale == 1.0
+
+
+def wide_dtype(dtype: Any) -> jnp.dtype:
+    """`dtype` widened to at least float32, explicitly (strict promotion holds)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
+
+
+def unscale_tree(grads: Any, state: LossScale, params: Any = None) -> Any:
+    """The gradients divided by the scale; `None` leaves pass through.
+
+    Each leaf keeps its dtype, unless `params` has a wider one for it (float16
+    gradients of float32 parameters): then it takes the parameter's.
+    """
+    if always_one(state):
+        return grads
+    inverse = reciprocal(state)
+    leaves, treedef = _flatten_keeping_none(grads)
+    dtypes = _target_dtypes(leaves, treedef, params)
+    return treedef.unflatten(
+        [
+            g if g is None else _quotient(g, inverse).astype(dtype)
+            for g, dtype in zip(leaves, dtypes, strict=True)
+        ]
+    )
+
+
+def finite_after_unscaling(
+    grads: Any, state: LossScale, params: Any = None
+) -> jax.Array:
+    """Whether `unscale_tree(grads, state, params)` is finite: one pass over `grads`.
+
+    Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
+    they are; below 1 it reduces the unscaled values, inf where they overflow.
+    """
+    if state.lowest_scale < 1.0:
+        return all_finite_leaves(_quotient_leaves(grads, state, params))
+    return all_finite_leaves(jax.tree.leaves(grads))
+
+
+def norm_after_unscaling(grads: Any, state: LossScale, params: Any = None) -> jax.Array:
+    """The global norm of `unscale_tree(grads, state, params)`: one pass over `grads`.
+
+    It is NaN or inf exactly when an unscaled gradient is, so it doubles as the
+    finiteness check. For scales >= 1 the squares are summed in the scaled
+    domain, then the root is multiplied by `1 / scale` (design.md, Clipping).
+    """
+    if state.lowest_scale < 1.0:
+        return jnp.sqrt(_sum_of_squares(_quotient_leaves(grads, state, params)))
+    wide = [g.astype(wide_dtype(g.dtype)) for g in jax.tree.leaves(grads)]
+    return jnp.sqrt(_sum_of_squares(wide)) * reciprocal(state)
+
+
+def clip_to_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
+    """`optax.clip_by_global_norm(max_norm)` of `grads`, whose global norm is `norm`."""
+    factor = jnp.where(norm < max_norm, jnp.ones([], norm.dtype), max_norm / norm)
+    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+
+
+def all_finite_leaves(leaves: list[Any]) -> jax.Array:
+    """Whether every element of every floating-point leaf is finite.
+
+    One reduction per leaf, in the form XLA:CPU fuses into a single read of it
+    (design.md, Checking finiteness).
+    """
+    checks = []
+    for leaf in leaves:
+        leaf = jnp.asarray(leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            continue
+        if leaf.dtype == jnp.bfloat16:
+            checks.append(jnp.isfinite(jnp.max(leaf)) & jnp.isfinite(jnp.min(leaf)))
+        elif leaf.dtype.itemsize < 4:
+            zero = jnp.zeros([], leaf.dtype)
+            dims = tuple(range(leaf.ndim))
+            checks.append(jnp.isfinite(jax.lax.reduce(leaf, zero, _zero_or_nan, dims)))
+        else:
+            checks.append(jnp.isfinite(jnp.sum(leaf - leaf)))
+    return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
+
+
+def _zero_or_nan(a: jax.Array, b: jax.Array) -> jax.Array:
+    # Maps both operands to 0 (finite) or NaN, so partial results combine in any
+    # order; a finite `x - x` is exactly 0.
+    return (a - a) + (b - b)
+
+
+def _quotient(grad: jax.Array, inverse: jax.Array) -> jax.Array:
+    """The one definition of an unscaled value, at least float32 wide.
+
+    The check and the applied branch both use it, so they agree exactly.
+    """
+    wide = wide_dtype(grad.dtype)
+    return grad.astype(wide) * inverse.astype(wide)
+
+
+def _quotient_leaves(grads: Any, state: LossScale, params: Any) -> list[jax.Array]:
+    """The unscaled leaves, wide, inf where they overflow their target dtype."""
+    leaves, treedef = _flatten_keeping_none(grads)
+    dtypes = _target_dtypes(leaves, treedef, params)
+    inverse = reciprocal(state)
+    return [
+        _inf_where_overflowing(_quotient(g, inverse), dtype)
+        for g, dtype in zip(leaves, dtypes, strict=True)
+        if g is not None
+    ]
+
+
+def _inf_where_overflowing(value: jax.Array, dtype: Any) -> jax.Array:
+    """`value`, with inf where rounding it to `dtype` would overflow."""
+    if value.dtype == dtype:
+        return value
+    # A compare with the rounding threshold, not a round trip through `dtype`:
+    # XLA:GPU removes round trips (excess precision), which hid the overflow.
+    # Values at or above max + ulp/2 round to inf.
+    finfo = jnp.finfo(dtype)
+    top_ulp = 2.0 ** (finfo.maxexp - 1) * float(finfo.eps)
+    threshold = jnp.asarray(float(finfo.max) + top_ulp / 2, value.dtype)
+    return jnp.where(
+        jnp.abs(value) < threshold, value, jnp.asarray(jnp.inf, value.dtype)
+    )
+
+
+def _target_dtypes(leaves: list[Any], treedef: Any, params: Any) -> list[Any]:
+    """The dtype each gradient leaf is unscaled into (design.md, Unscaling)."""
+    dtypes = [None if g is None else jnp.result_type(g) for g in leaves]
+    if params is None:
+        return dtypes
+    for i, (dtype, param) in enumerate(
+        zip(dtypes, treedef.flatten_up_to(params), strict=True)
+    ):
+        param_dtype = getattr(param, "dtype", None)
+        if (
+            dtype is not None
+            and param_dtype is not None
+            and jnp.issubdtype(param_dtype, jnp.floating)
+            and jnp.dtype(param_dtype).itemsize > dtype.itemsize
+        ):
+            dtypes[i] = jnp.dtype(param_dtype)
+    return dtypes
+
+
+def _sum_of_squares(leaves: list[jax.Array]) -> jax.Array:
+    total = jnp.zeros([], jnp.float32)
+    for leaf in leaves:
+        total = total + jnp.sum(jnp.square(leaf)).astype(jnp.float32)
+    return total
+
+
+def _flatten_keeping_none(tree: Any) -> tuple[list[Any], Any]:
+    return jax.tree.flatten(tree, is_leaf=lambda x: x is None)

@@ -1,0 +1,115 @@
+"""The guarded step: check the gradients, then apply or skip under one `lax.cond`.
+
+`wrap`, `apply_gradients`, `lossscale.flax.TrainState` and
+`lossscale.flax.Optimizer` (through `wrap`) all run `guarded_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._src import checks
+from lossscale._src import numerics
+from lossscale._src.base import LossScale
+from lossscale._src.update import update
+
+
+def guarded_step(
+    loss_scale: LossScale,
+    grads: Any,
+    params: Any,
+    value: Any,
+    options: checks.StepOptions,
+    applied_step: Callable[[Any, Any], tuple[Any, Any]],
+    carry: Any,
+) -> tuple[Any, Any, LossScale, jax.Array]:
+    """One loss-scaled step.
+
+    1. Checks, in one pass over `grads`, whether the unscaled gradients are all
+       finite (with `clip_norm`, their global norm is the check), and whether
+       the loss `value` is (when given); agrees on both over `axis_name`.
+    2. Under one `jax.lax.cond`: either `applied_step(unscaled_grads, carry)`,
+       returning `(output, new_carry)`, where the unscaling (and clipping) fuses
+       into the step; or the skip, returning negative zeros shaped like `output`
+       (`p + (-0.0)` is `p` bit for bit) and `carry` untouched.
+    3. Updates the loss-scale state: the unscaling used the scale the loss was
+       multiplied by, the next step uses the new one.
+
+    Args:
+      loss_scale: the current loss-scale state.
+      grads: the gradients of the scaled loss, checked here.
+      params: the parameters (their dtypes decide the unscaled dtypes), or None.
+      value: the unscaled loss, or None.
+      options: `axis_name` and `clip_norm`, checked where the step was built.
+      applied_step: the step on the unscaled gradients.
+      carry: what a skipped step returns as it is (the optimizer state).
+
+    Returns:
+      `(output, carry, loss_scale, applied)`.
+    """
+    checks.check_gradients(grads, params)
+    grads_finite, loss_finite, norm = _finite_flags(
+        grads, params, loss_scale, value, options
+    )
+    applied = grads_finite & loss_finite
+
+    def apply_branch(operands):
+        grads, carry = operands
+        grads = numerics.unscale_tree(grads, loss_scale, params)
+        if options.clip_norm is not None:
+            grads = numerics.clip_to_norm(grads, norm, options.clip_norm)
+        return applied_step(grads, carry)
+
+    operands = (grads, carry)
+    # The skip must match the applied branch's output types: the step may change
+    # dtypes (float16 gradients, float32 updates), which is where
+    # `optax.apply_if_finite` fails.
+    output_types, carry_types = jax.eval_shape(apply_branch, operands)
+    checks.check_same_types(carry_types, carry)
+
+    def skip_branch(operands):
+        # `full_like` of the applied types also keeps their `shard_map` typing
+        # (which mapped axes the values vary over).
+        zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
+        return zeros, operands[1]
+
+    output, carry = jax.lax.cond(applied, apply_branch, skip_branch, operands)
+    return output, carry, update(loss_scale, grads_finite, loss_finite), applied
+
+
+def _finite_flags(
+    grads: Any,
+    params: Any,
+    loss_scale: LossScale,
+    value: Any,
+    options: checks.StepOptions,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Whether the unscaled gradients, and the loss, are finite; and the norm."""
+    if value is None:
+        loss_finite = jnp.asarray(True)
+    else:
+        loss_finite = jnp.isfinite(checks.check_loss(value, "value"))
+    if options.clip_norm is None:
+        norm = None
+        grads_finite = numerics.finite_after_unscaling(grads, loss_scale, params)
+    else:
+        norm = numerics.norm_after_unscaling(grads, loss_scale, params)
+        grads_finite = jnp.isfinite(norm)
+    grads_finite, loss_finite = agree(
+        jnp.stack([grads_finite, loss_finite]), options.axis_name
+    )
+    return grads_finite, loss_finite, norm
+
+
+def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
+    """Boolean flags, True only where they hold on every device of `axis_name`.
+
+    Several flags go in one array, so they cost one scalar collective together.
+    """
+    if axis_name is None:
+        return flags
+    return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1

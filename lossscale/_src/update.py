@@ -1,0 +1,103 @@
+"""`update`: the next loss-scale state: the kind's rule and the library's counters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lossscale._src import base
+from lossscale._src import checks
+from lossscale._src.base import LossScale
+
+
+def update(
+    loss_scale: LossScale,
+    grads_finite: jax.typing.ArrayLike,
+    loss_finite: jax.typing.ArrayLike = True,
+) -> LossScale:
+    """Returns the next loss-scale state after a step.
+
+    Usable inside `jax.jit`; branch-free. The kind's rule (`adjust`; for a
+    `DynamicLossScale` the growth/back-off rule) sees the steps whose loss was
+    finite; every kind counts the skipped steps. The step is applied when both
+    `grads_finite` and `loss_finite` hold; the caller must skip it otherwise.
+
+    Args:
+      loss_scale: the current loss-scale state.
+      grads_finite: boolean scalar, whether every gradient of the step was finite
+        (see `lossscale.all_finite`).
+      loss_finite: boolean scalar, whether the (unscaled) loss was finite. A
+        non-finite loss is an overflow in the forward pass: lowering the scale
+        cannot fix it, so the rule does not see the step (the scale does not back
+        off), and the step is counted in `forward_overflows`.
+
+    Returns:
+      The next loss-scale state, with the same settings and tree structure.
+
+    Raises:
+      TypeError: if `loss_scale` is not a loss-scale state, `grads_finite` or
+        `loss_finite` is not boolean, or the kind's `adjust` returns something
+        other than a state of the same kind, settings and leaf types.
+      ValueError: if `grads_finite` or `loss_finite` is not a scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import lossscale
+      >>> loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**15)
+      >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
+      >>> print(loss_scale.scale, loss_scale.skipped_steps)
+      16384.0 1
+    """
+    if not isinstance(loss_scale, LossScale):
+        raise TypeError(
+            "`loss_scale` must be a loss-scale state (a `lossscale.LossScale`, e.g."
+            f" `DynamicLossScale`), got {type(loss_scale).__name__}. To read one out"
+            " of an optimizer state, use `lossscale.get_loss_scale(opt_state)`."
+        )
+    grads_finite = checks.as_predicate("grads_finite", grads_finite)
+    loss_finite = checks.as_predicate("loss_finite", loss_finite)
+    adjusted = _adjusted(loss_scale, grads_finite)
+    applied = grads_finite & loss_finite
+    backward_overflow = loss_finite & ~grads_finite
+    # A forward overflow keeps the rule's fields: the scale did not cause it.
+    rule_fields = {
+        name: jnp.where(loss_finite, getattr(adjusted, name), getattr(loss_scale, name))
+        for name in (f.name for f in base.rule_fields(type(loss_scale)))
+    }
+    return loss_scale.replace(
+        **rule_fields,
+        skipped_steps=jnp.where(
+            applied,
+            loss_scale.skipped_steps,
+            optax.safe_increment(loss_scale.skipped_steps),
+        ),
+        consecutive_skips=jnp.where(
+            applied,
+            jnp.zeros([], jnp.int32),
+            optax.safe_increment(loss_scale.consecutive_skips),
+        ),
+        forward_overflows=jnp.where(
+            loss_finite,
+            loss_scale.forward_overflows,
+            optax.safe_increment(loss_scale.forward_overflows),
+        ),
+        stuck=backward_overflow & (loss_scale.scale <= loss_scale.lowest_scale),
+    )
+
+
+def _adjusted(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
+    """The kind's `adjust`, checked to return a state of the same type and layout."""
+    adjusted = loss_scale.adjust(grads_finite)
+    kind = type(loss_scale).__name__
+    if type(adjusted) is not type(loss_scale):
+        raise TypeError(
+            f"`{kind}.adjust` must return a `{kind}` (e.g. `self.replace(...)`), got"
+            f" {type(adjusted).__name__}."
+        )
+    if jax.tree.structure(adjusted) != jax.tree.structure(loss_scale):
+        raise TypeError(
+            f"`{kind}.adjust` returned a state with other settings; it must keep"
+            " them (return `self.replace(...)`)."
+        )
+    return adjusted
