@@ -11,6 +11,10 @@ import traceback
 
 import jax
 import numpy as np
+import optax
+import profiling
+
+import lossscale
 
 # Opcodes that move data between host and device, and callback custom calls.
 _HOST_OPS = re.compile(r"=\s*\S+\s+(send|recv|infeed|outfeed)(-done)?\(")
@@ -74,6 +78,10 @@ class Candidate:
         jax.block_until_ready((self.params, self.state))
         return (time.perf_counter() - start) / block
 
+    def profile(self, steps: int) -> dict[str, float]:
+        """Host dispatch and device time per step, from a profiler trace."""
+        return profiling.profile(self.run_step, steps)
+
 
 def block_size() -> int:
     """Steps per timed block: 1 on CPU; 10 on accelerators, where waiting for
@@ -81,8 +89,19 @@ def block_size() -> int:
     return 1 if jax.default_backend() == "cpu" else 10
 
 
+def profiled_steps() -> int:
+    """Steps per profiled block: enough to average kernels over on a device."""
+    return 5 if jax.default_backend() == "cpu" else 20
+
+
 def compare(variants, params, grads, *, steps, label, baseline):
-    """Builds every variant, times each interleaved with the baseline."""
+    """Builds every variant, times each interleaved with the baseline.
+
+    Each round times one block of the baseline, then one of the variant, so slow
+    drifts of the machine hit both alike; the ratios are of medians (and of
+    minima) over the rounds. Then one profiled block of each gives host dispatch
+    and device time per step (see `profiling.py`).
+    """
     print(f"\n{label}", file=sys.stderr)
     base = Candidate(baseline, variants[baseline], params, grads)
     if base.error:
@@ -99,6 +118,8 @@ def compare(variants, params, grads, *, steps, label, baseline):
                     base_times.append(base.run_step(block_size()))
                     times.append(candidate.run_step(block_size()))
                 compilations = candidate.jitted._cache_size()
+                candidate.trace = candidate.profile(profiled_steps())
+                base.trace = base.profile(profiled_steps())
             except Exception as error:
                 candidate.error = f"{type(error).__name__}: {error}"[:160]
         rows.append(_row(label, candidate, base, base_times, times, compilations))
@@ -123,6 +144,10 @@ def _row(label, candidate, base, base_times, times, compilations):
             "bytes_ratio": figures["bytes_accessed"] / base_figures["bytes_accessed"],
             "baseline_temp_bytes": base_figures["temp_bytes"],
             "compilations": compilations,
+            **candidate.trace,
+            **{f"baseline_{key}": value for key, value in base.trace.items()},
+            "device_time_ratio": candidate.trace["kernel_us_per_step"]
+            / base.trace["kernel_us_per_step"],
         }
     )
     return row
@@ -132,40 +157,56 @@ def write(rows, out: str, *, title: str) -> None:
     """Prints the Markdown table and writes it with the JSON next to `out`."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = {
+        "command": " ".join(["python", *sys.argv]),
         "jax": jax.__version__,
+        "jaxlib": jax.lib.__version__,
+        "optax": optax.__version__,
+        "lossscale": lossscale.__version__,
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
         "cpu_count": os.cpu_count(),
         "steps_per_timed_block": block_size(),
+        "steps_per_profiled_block": profiled_steps(),
     }
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [
         f"# {title}",
         "",
-        f"jax {meta['jax']}, {meta['backend']} ({meta['device']}), ratios to the"
-        " baseline measured in the same run; time per step over blocks of"
-        f" {meta['steps_per_timed_block']} step(s).",
+        f"`{meta['command']}`: jax {meta['jax']}, {meta['backend']}"
+        f" ({meta['device']}, {meta['cpu_count']} CPUs), lossscale"
+        f" {meta['lossscale']}. Ratios to the baseline measured in the same run;"
+        f" time per step over blocks of {meta['steps_per_timed_block']} step(s)."
+        " Device time and kernels per step, and host dispatch per call, from a"
+        f" profiler trace of {meta['steps_per_profiled_block']} steps (on XLA:CPU"
+        ' the "kernels" are the thunks on its thread pool).',
         "",
         "| setting | variant | bytes | temp MB | time (median) | time (min) |"
-        " compiles | host transfer |",
-        "|---|---|---|---|---|---|---|---|",
+        " device time | kernels/step (base) | dispatch us (base) | compiles |"
+        " host transfer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["error"]:
             lines.append(
                 f"| {row['setting']} | {row['variant']} | failed: {row['error']}"
-                " | | | | | |"
+                " | | | | | | | | |"
             )
             continue
         lines.append(
             f"| {row['setting']} | {row['variant']} | {row['bytes_ratio']:.3f}x |"
             f" {row['temp_bytes'] / 1e6:.1f} | {row['time_ratio']:.2f}x |"
-            f" {row['min_time_ratio']:.2f}x | {row['compilations']} |"
-            f" {'yes' if row['host_transfer'] else 'no'} |"
+            f" {row['min_time_ratio']:.2f}x | {row['device_time_ratio']:.2f}x |"
+            f" {row['kernels_per_step']:.0f} ({row['baseline_kernels_per_step']:.0f})"
+            f" | {_us(row['dispatch_us'])} ({_us(row['baseline_dispatch_us'])}) |"
+            f" {row['compilations']} | {'yes' if row['host_transfer'] else 'no'} |"
         )
     table = "\n".join(lines) + "\n"
     with open(out + ".md", "w") as f:
         f.write(table)
     print("\n" + table)
     print(f"written: {out}.json, {out}.md")
+
+
+def _us(value: float) -> str:
+    return "n/a" if np.isnan(value) else f"{value:.0f}"

@@ -225,17 +225,44 @@ def test_settings_survive_jit_tree_map_and_flatten(state):
         assert float(result.scale) == float(state.scale)
 
 
+FIELDS = {
+    "scale": jnp.float32,
+    "counter": jnp.int32,
+    "overflows_since_growth": jnp.int32,
+    "skipped_steps": jnp.int32,
+    "consecutive_skips": jnp.int32,
+    "forward_overflows": jnp.int32,
+    "stuck": jnp.bool_,
+}
+
+
 @pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
-def test_leaves_are_scalar_arrays_with_explicit_dtypes(state):
+def test_fields_are_scalar_arrays_with_explicit_dtypes(state):
+    for name, dtype in FIELDS.items():
+        if name in ("counter", "overflows_since_growth", "scale") and not isinstance(
+            state, lossscale.DynamicLossScale
+        ):
+            continue
+        value = getattr(state, name)
+        assert isinstance(value, jax.Array), name
+        assert value.shape == () and value.dtype == dtype, name
+        assert not value.weak_type, name
+
+
+@pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
+def test_leaves_are_one_array_per_dtype(state):
+    # The fields are packed by dtype (bools with the int32s): a dynamic state
+    # is two leaves, so a jitted call handles two arrays, not seven.
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    dynamic = isinstance(state, lossscale.DynamicLossScale)
+    expected = {"int32_fields": (jnp.int32, 6 if dynamic else 4)}
+    if dynamic:
+        expected["float32_fields"] = (jnp.float32, 1)
+    assert {path[-1].name for path, _ in paths_and_leaves} == set(expected)
     for path, leaf in paths_and_leaves:
-        assert isinstance(leaf, jax.Array), path
-        assert leaf.shape == ()
-        assert not leaf.weak_type, path
-        expected = {"scale": jnp.float32, "stuck": jnp.bool_}.get(
-            path[-1].name, jnp.int32
-        )
-        assert leaf.dtype == expected, path
+        dtype, size = expected[path[-1].name]
+        assert isinstance(leaf, jax.Array) and not leaf.weak_type
+        assert leaf.dtype == dtype and leaf.shape == (size,)
 
 
 @pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)

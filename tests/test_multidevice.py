@@ -71,17 +71,21 @@ def assert_identical_everywhere(tree):
 def test_sharded_jit_skips_globally_when_one_shard_overflows(mesh, params_spec):
     tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale(2.0**10))
 
-    def place(tree):
-        # Arrays by `params_spec`, scalars (counts, the loss scale) replicated.
+    def place(tree, spec):
+        # Arrays by `spec`, scalars (Adam's count) replicated.
         return jax.tree.map(
             lambda x: jax.device_put(
-                x, NamedSharding(mesh, params_spec if jnp.ndim(x) else P())
+                x, NamedSharding(mesh, spec if jnp.ndim(x) else P())
             ),
             tree,
         )
 
-    params = place(init_params())
-    opt_state = place(tx.init(params))
+    params = place(init_params(), params_spec)
+    opt_state = tx.init(params)
+    # The loss-scale state is replicated: its leaves are small vectors.
+    opt_state = lossscale.WrapState(
+        place(opt_state.loss_scale, P()), place(opt_state.inner_state, params_spec)
+    )
     batch_sharding = NamedSharding(mesh, P("data"))
 
     step = scaled_loss_step(tx, loss_fn)

@@ -246,6 +246,19 @@ def test_all_finite_finds_one_bad_element_in_a_large_leaf(dtype, bad):
     assert bool(jitted_all_finite({"big": big, "negative": -big}))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("size", [4097, 90_601, 1_000_003])
+def test_16_bit_checks_see_nan_anywhere_in_large_leaves(dtype, size):
+    # 16-bit leaves are checked with `max` and `min`, which must propagate NaN:
+    # XLA:CPU's vectorised float32 `max` drops it (from 4097 elements), so a
+    # change in XLA's 16-bit reductions would show here.
+    leaf = jnp.ones(size, dtype)
+    for position in [0, 1, size // 2, size - 2, size - 1]:
+        for bad in [np.nan, -np.nan, np.inf, -np.inf]:
+            assert not bool(jitted_all_finite([leaf.at[position].set(bad)]))
+    assert bool(jitted_all_finite([leaf]))
+
+
 def test_all_finite_ignores_integer_and_none_leaves():
     tree = {"i": jnp.arange(3), "n": None, "b": jnp.array([True]), "f": jnp.ones(2)}
     assert bool(lossscale.all_finite(tree))

@@ -354,13 +354,14 @@ def test_wrapped_adam_costs_at_most_the_cond_floor_in_xla_bytes():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's figures")
 def test_float16_gradients_cost_less_than_a_float32_copy_in_xla_bytes():
-    # With float16 gradients the check is one read of them (a reducer of its own),
-    # not a float32 copy (1.50x) or an `isfinite` byte mask (1.335x): 1.281x.
+    # With float16 gradients the check is two plain reads of them (max and min),
+    # not a float32 copy (1.50x): 1.333x. A one-read custom reduction (1.281x)
+    # took 12x the time on XLA:CPU (docs/design.md).
     params = {f"p{i}": jnp.ones((20_000 + 1000 * i,), jnp.float32) for i in range(8)}
     grads = jax.tree.map(lambda p: (p * 1e-3).astype(jnp.float16), params)
     plain_bytes, _ = compiled_costs(optax.adam(1e-3), params, grads)
     wrapped_bytes, _ = compiled_costs(lossscale.wrap(optax.adam(1e-3)), params, grads)
-    assert wrapped_bytes / plain_bytes <= 1.29, wrapped_bytes / plain_bytes
+    assert wrapped_bytes / plain_bytes <= 1.34, wrapped_bytes / plain_bytes
 
 
 # -- composition with optax ---------------------------------------------------------

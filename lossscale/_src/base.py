@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale._src.fields import Layout
 from lossscale._src.fields import declarations
 from lossscale._src.fields import field
 from lossscale._src.fields import kind_named
@@ -21,9 +22,10 @@ from lossscale._src.fields import setting
 class LossScale(metaclass=abc.ABCMeta):
     """Base class of loss-scale states; subclass it to define a kind of your own.
 
-    A loss-scale state is an immutable pytree: its array fields are its leaves
-    (fixed dtypes and shapes, so a jitted step compiles once) and its settings are
-    static (kept by `jax.jit`, `jax.tree.map`, pickling and checkpoints). A kind
+    A loss-scale state is an immutable pytree: its array fields have fixed dtypes
+    and shapes (so a jitted step compiles once) and are packed into one leaf per
+    dtype (two arrays for a dynamic scale), and its settings are static (kept by
+    `jax.jit`, `jax.tree.map`, pickling and checkpoints). A kind
     is a subclass that declares
 
     * its array fields with `lossscale.field(dtype)` and its settings with
@@ -81,6 +83,7 @@ class LossScale(metaclass=abc.ABCMeta):
 
     kind: ClassVar[str]
     _fields: ClassVar[tuple[field, ...]]
+    _layout: ClassVar[Layout]
     _setting_decls: ClassVar[tuple[setting, ...]]
 
     # The counters every state has; the library updates them (`lossscale.update`).
@@ -92,6 +95,7 @@ class LossScale(metaclass=abc.ABCMeta):
     def __init_subclass__(cls, *, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._fields, cls._setting_decls = declarations(cls, LossScale)
+        cls._layout = Layout.of(cls._fields)
         cls.kind = register_kind(cls, kind)
         # Unflattening must not run `__init__`: leaves may be tracers, shape
         # structs or other placeholders.
@@ -109,10 +113,11 @@ class LossScale(metaclass=abc.ABCMeta):
                 f" to `LossScale.__init__` once: expected {sorted(expected)}, got"
                 f" {sorted(values)}."
             )
-        arrays = [jnp.zeros(f.shape, f.dtype) for f in COUNTER_FIELDS]
-        arrays += [f.as_leaf(values[f.name], cls.__name__, strict=False) for f in own]
+        arrays = {f.name: jnp.zeros(f.shape, f.dtype) for f in COUNTER_FIELDS}
+        for f in own:
+            arrays[f.name] = f.as_array(values[f.name], cls.__name__, strict=False)
         settings = [s.checked(values[s.name], cls.__name__) for s in cls._setting_decls]
-        object.__setattr__(self, "_arrays", tuple(arrays))
+        object.__setattr__(self, "_arrays", cls._layout.pack(cls._fields, arrays))
         object.__setattr__(self, "_settings", tuple(settings))
 
     # -- what a kind defines -----------------------------------------------------
@@ -186,12 +191,14 @@ class LossScale(metaclass=abc.ABCMeta):
                 f" {sorted(unknown)}. Settings are static: build a new state to"
                 " change them."
             )
-        arrays = list(self._arrays)
-        for name, value in values.items():
-            arrays[by_name[name].index] = by_name[name].as_leaf(
-                value, f"{cls.__name__}.replace", strict=True
-            )
-        return cls._unflatten(self._settings, arrays)
+        arrays = {
+            name: by_name[name].as_array(value, f"{cls.__name__}.replace", strict=True)
+            for name, value in values.items()
+        }
+        for f in cls._fields:
+            if f.name not in arrays:
+                arrays[f.name] = self._read(f)
+        return cls._unflatten(self._settings, cls._layout.pack(cls._fields, arrays))
 
     def get_config(self) -> dict[str, Any]:
         """Returns the kind and settings as a JSON-serialisable dict (TF's name).
@@ -263,8 +270,11 @@ class LossScale(metaclass=abc.ABCMeta):
 
     # -- pytree, pickling, equality, repr ------------------------------------------
 
+    def _read(self, declared: field) -> Any:
+        return type(self)._layout.read(self._arrays, declared)
+
     def _flatten_with_keys(self):
-        keys = (jax.tree_util.GetAttrKey(f.name) for f in self._fields)
+        keys = (jax.tree_util.GetAttrKey(n) for n in self._layout.leaf_names())
         return tuple(zip(keys, self._arrays, strict=True)), self._settings
 
     def _flatten(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ _KINDS: dict[str, type] = {}
 
 
 class field:  # noqa: N801 - used like `dataclasses.field`
-    """Declares an array field of a loss-scale kind: a leaf of its pytree.
+    """Declares an array field of a loss-scale kind: part of its pytree's leaves.
 
     Use it in the body of a `lossscale.LossScale` subclass. The field holds an
     array of a fixed dtype and shape (a scalar by default), so a state goes in and
@@ -64,8 +65,9 @@ class field:  # noqa: N801 - used like `dataclasses.field`
             )
         self.dtype = dtype
         self.shape = shape
+        self.size = int(np.prod(shape, dtype=np.int64))
         self.name: str | None = None
-        self.index: int | None = None  # its position among the state's leaves
+        self.index: int | None = None  # its position among the state's fields
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -73,7 +75,7 @@ class field:  # noqa: N801 - used like `dataclasses.field`
     def __get__(self, state: Any, owner: type | None = None) -> Any:
         if state is None:
             return self
-        return state._arrays[self.index]
+        return state._read(self)
 
     def __set__(self, state: Any, value: Any) -> None:
         raise AttributeError(
@@ -84,7 +86,12 @@ class field:  # noqa: N801 - used like `dataclasses.field`
     def __repr__(self) -> str:
         return f"field({self.dtype}, shape={self.shape})"
 
-    def as_leaf(self, value: Any, owner: str, *, strict: bool) -> Any:
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        """The dtype of the leaf that holds it: its own, int32 for a bool."""
+        return jnp.dtype(jnp.int32) if self.dtype == jnp.bool_ else self.dtype
+
+    def as_array(self, value: Any, owner: str, *, strict: bool) -> Any:
         """`value` as this field's array; `strict` refuses other (non-weak) dtypes.
 
         Construction converts any number (the constructor's job is to build the
@@ -179,6 +186,69 @@ class setting:  # noqa: N801 - used like `dataclasses.field`
                 f" string, bool, None or a tuple of them), got {type(value).__name__}."
             ) from None
         return value
+
+
+class Layout(NamedTuple):
+    """Where each field lives: the leaves hold the fields packed by dtype.
+
+    A state has one 1-D leaf per storage dtype (int32 holds int32 and bool
+    fields), with the fields in declaration order: a dynamic loss scale is two
+    leaves, not seven (design.md, "States").
+    """
+
+    dtypes: tuple[jnp.dtype, ...]  # of each leaf
+    sizes: tuple[int, ...]  # of each leaf
+    slots: dict[str, tuple[int, int]]  # field name -> (leaf, offset)
+
+    @classmethod
+    def of(cls, fields: tuple[field, ...]) -> Layout:
+        """The layout of `fields`, in order."""
+        dtypes: list[jnp.dtype] = []
+        sizes: list[int] = []
+        slots = {}
+        for declared in fields:
+            dtype = declared.storage_dtype
+            if dtype not in dtypes:
+                dtypes.append(dtype)
+                sizes.append(0)
+            leaf = dtypes.index(dtype)
+            slots[declared.name] = (leaf, sizes[leaf])
+            sizes[leaf] += declared.size
+        return cls(tuple(dtypes), tuple(sizes), slots)
+
+    def leaf_names(self) -> tuple[str, ...]:
+        """Key names of the leaves: `int32_fields`, `float32_fields`, ..."""
+        return tuple(f"{dtype}_fields" for dtype in self.dtypes)
+
+    def pack(self, fields: tuple[field, ...], values: dict[str, Any]) -> tuple:
+        """The leaves holding `values` (arrays of each field's dtype and shape)."""
+        parts: list[list[Any]] = [[] for _ in self.dtypes]
+        for declared in fields:
+            value = values[declared.name]
+            leaf = self.slots[declared.name][0]
+            flat = value.astype(declared.storage_dtype)
+            batch = flat.shape[: flat.ndim - len(declared.shape)]
+            parts[leaf].append(flat.reshape(batch + (declared.size,)))
+        return tuple(
+            jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
+            for pieces in parts
+        )
+
+    def read(self, leaves: tuple, declared: field) -> Any:
+        """The value of field `declared`, from the leaves."""
+        index, offset = self.slots[declared.name]
+        leaf = leaves[index]
+        if not hasattr(leaf, "shape"):  # a sentinel some transformation put there
+            return leaf
+        batch = tuple(leaf.shape[:-1])
+        if not hasattr(leaf, "__getitem__"):  # a shape struct from `eval_shape`
+            return jax.ShapeDtypeStruct(batch + declared.shape, declared.dtype)
+        if declared.shape == ():
+            value = leaf[..., offset]
+        else:
+            value = leaf[..., offset : offset + declared.size]
+            value = value.reshape(batch + declared.shape)
+        return value != 0 if declared.dtype == jnp.bool_ else value
 
 
 def declarations(
