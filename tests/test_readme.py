@@ -45,3 +45,30 @@ def test_readme_example_runs_and_prints_its_comment(index):
     printed = output.getvalue().split("\n")
     for want, got in zip(expected, printed, strict=False):
         assert got.strip() == want
+
+
+def setup_lines():
+    """The README's set-up block, as `.ci/run` reads it (comments dropped)."""
+    text = README.read_text()
+    block = re.search(r"<!-- setup:.*?-->\n```bash\n(.*?)```", text, flags=re.DOTALL)
+    assert block, "README.md lost its set-up block (and .ci/run with it)"
+    lines = [re.sub(r"\s+#.*", "", line) for line in block.group(1).splitlines()]
+    return [line for line in lines if line.strip()]
+
+
+def test_one_install_line_makes_both_commands_work():
+    import tomllib
+
+    lines = setup_lines()
+    installs = [line for line in lines if line.startswith("pip install")]
+    assert len(installs) == 1 and lines[0] == installs[0]
+    assert "python -m lossscale.demo" in lines and lines[-1] == "python -m pytest"
+    extras = re.search(r'"\.\[(.*?)\]"', installs[0]).group(1).split(",")
+    pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text())
+    optional = pyproject["project"]["optional-dependencies"]
+    installed = {req for extra in extras for req in optional[extra]}
+    names = {re.split(r"[<>=\[ ]", req)[0] for req in installed}
+    # What the demo and the tests import comes with that one line.
+    needed = {re.split(r"[<>=\[ ]", req)[0] for req in optional["demo"]} | {"pytest"}
+    assert needed <= names, needed - names
+    assert "<!-- setup:" in (README.parent / ".ci" / "run").read_text()

@@ -124,10 +124,17 @@ def check_gradients(grads: Any, params: Any = None, name: str = "grads") -> None
     for path, leaf in paths_and_leaves:
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            hint = (
+                " (With Equinox, `eqx.filter_grad` gives `None` for leaves that"
+                " are not floating-point arrays, and `eqx.filter(model,"
+                " eqx.is_inexact_array)` the matching parameters.)"
+                if dtype is None
+                else ""
+            )
             raise TypeError(
                 f"Gradients must be floating-point arrays; the leaf at"
                 f" {_where(path)} has dtype {dtype} ({type(leaf).__name__})."
-                " Differentiate with respect to floating-point parameters only."
+                f" Differentiate with respect to floating-point parameters only.{hint}"
             )
     if params is not None:
         # None marks a masked-out leaf in optax: compare structures up to it.

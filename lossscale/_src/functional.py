@@ -101,8 +101,8 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
     """Returns True when every element of every leaf of `tree` is finite.
 
     One reduction per leaf, reading each leaf once (in the form XLA fuses; see
-    `docs/design.md`). Integer and boolean leaves are always finite; `None` leaves
-    are ignored.
+    `docs/design.md`). Integer and boolean leaves are always finite; `None` leaves,
+    and leaves that are not arrays (an Equinox model's functions), are ignored.
 
     Under `jax.jit` with sharded arrays the result is already global: the
     reductions are over whole arrays, and XLA adds the cross-device reduction.

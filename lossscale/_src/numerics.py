@@ -88,11 +88,15 @@ def clip_to_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
 def all_finite_leaves(leaves: list[Any]) -> jax.Array:
     """Whether every element of every floating-point leaf is finite.
 
+    Other leaves (integers, bools, and objects that are not arrays) are skipped.
+
     One or two plain reductions per leaf, each one read of it (design.md,
     Checking finiteness).
     """
     checks = []
     for leaf in leaves:
+        if not hasattr(leaf, "dtype") and not isinstance(leaf, float | complex):
+            continue  # not an array: e.g. a function or a name in an Equinox model
         leaf = jnp.asarray(leaf)
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             continue
