@@ -33,7 +33,7 @@ def apply_gradients(
     unscaling, `tx.update` *and* `optax.apply_updates` inside the applied branch of
     one `jax.lax.cond`. Only the new parameters and optimizer state cross the cond,
     never a tree of updates, so the step costs about one read of the gradients more
-    than the unscaled step (XLA's figures in the README's performance section),
+    than the unscaled step (XLA's figures in the docs' performance guide),
     where `wrap` must hand the updates to the caller.
 
     A step is applied when every unscaled gradient is finite (and `value`, if
