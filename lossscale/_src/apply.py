@@ -9,6 +9,7 @@ import optax
 
 from lossscale._src import checks
 from lossscale._src import lookup
+from lossscale._src import overwrite
 from lossscale._src import step
 from lossscale._src.base import LossScale
 
@@ -44,8 +45,12 @@ def apply_gradients(
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.
       grads: the gradients of the *scaled* loss (`lossscale.scale_loss`), with
         the tree structure of `params`.
-      params: the parameters.
-      opt_state: `tx`'s state, from `tx.init(params)`.
+      params: the parameters. With Flax's fp8 layers, the whole variables dict
+        `{"params": ..., "_overwrite_with_gradient": ...}`: the fp8 metadata take
+        their new values from `grads` on applied steps, bypassing `tx` (see
+        `lossscale.flax.TrainState`).
+      opt_state: `tx`'s state, from `tx.init(params)` (without the fp8
+        collection, if any).
       loss_scale: the loss-scale state (`lossscale.DynamicLossScale()`, ...),
         carried from step to step like `opt_state`.
       value: the unscaled loss, optional. A non-finite `value` is an overflow in
@@ -104,6 +109,16 @@ def apply_gradients(
         )
     options = checks.step_options(axis_name, clip_norm)
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
+    trainable, fp8_metadata = overwrite.split(params, "params")
+    if fp8_metadata is not None and jax.tree.structure(
+        jax.eval_shape(tx.init, trainable)
+    ) != jax.tree.structure(opt_state):
+        raise ValueError(
+            f"`params` holds Flax's fp8 `{overwrite.OVERWRITE}` collection, which"
+            " no optimizer sees: build `opt_state` with `tx.init` of the other"
+            " collections, e.g. `tx.init({k: v for k, v in params.items() if k !="
+            f" '{overwrite.OVERWRITE}'}})`."
+        )
     if value is not None:
         extra_args["value"] = value
     params, opt_state, loss_scale, _ = apply_or_skip(
@@ -125,10 +140,16 @@ def apply_or_skip(
     if extra_args:
         tx = optax.with_extra_args_support(tx)
 
-    def optimizer_step(grads, carry):
+    def optimizer_step(grads, new_overwrite, carry):
         params, opt_state = carry
+        params, old_overwrite = overwrite.split(params, "params")
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-        return None, (optax.apply_updates(params, updates), opt_state)
+        params = optax.apply_updates(params, updates)
+        if old_overwrite is not None:
+            params = overwrite.merge(
+                params, overwrite.written(new_overwrite, old_overwrite)
+            )
+        return None, (params, opt_state)
 
     _, (params, opt_state), loss_scale, applied = step.guarded_step(
         loss_scale,

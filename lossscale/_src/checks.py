@@ -173,6 +173,16 @@ def refuse_sparse(tree: Any, name: str) -> None:
             )
 
 
+def check_same_structure(grads: Any, params: Any, name: str) -> None:
+    """Raises `ValueError` unless the `name` parts of gradients and params match."""
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        raise ValueError(
+            f"The gradients' and `params`' fp8 `{name}` collections must have the"
+            f" same tree structure, got {jax.tree.structure(grads)} and"
+            f" {jax.tree.structure(params)}."
+        )
+
+
 def check_same_types(new_state: Any, old_state: Any) -> None:
     """Raises a clear error if an update changed its state's tree or leaf types."""
     new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)

@@ -18,11 +18,9 @@ from lossscale._src import checks
 from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src import metrics as metrics_lib
+from lossscale._src import overwrite
 from lossscale._src import wrapper
 from lossscale._src.base import LossScale
-
-# Flax's marker for fp8 "overwrite with gradient" collections.
-_OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 class TrainState(train_state.TrainState):
@@ -41,6 +39,12 @@ class TrainState(train_state.TrainState):
     * advances `step` only on applied steps, so `step` always equals the
       optimizer's own step count (Flax's `DynamicScale` recipe lets them drift);
     * updates the loss-scale state, the field `loss_scale`.
+
+    Flax's fp8 layers work as in Flax's `TrainState`: with `params` the whole
+    variables dict, `{"params": ..., "_overwrite_with_gradient": ...}`, the fp8
+    scales and amax histories take their new values from the gradients, but only
+    on applied steps, and never pass through the unscaling, the check, clipping
+    or `tx` (details: `docs/design.md`, "fp8 metadata").
 
     `lossscale.metrics(state)` gives the scalars to log. The state is a pytree of
     arrays only (`step` is an int32 array, not a Python int), so a jitted train
@@ -116,15 +120,14 @@ class TrainState(train_state.TrainState):
         Raises:
           TypeError: if `tx` is not an optax transformation, or `loss_scale`,
             `axis_name` or `clip_norm` is not one of the above.
-          ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
-            not positive, or `params` uses Flax's fp8 `_overwrite_with_gradient`
-            collection.
+          ValueError: if `tx` holds a loss-scale state already, or `clip_norm` is
+            not positive.
         """
         checks.check_transformation(tx, "tx")
-        _refuse_overwrite_with_gradient(params, "params")
         options = checks.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
-        opt_state = tx.init(params)
+        # Flax's fp8 metadata are no optimizer's business (design.md).
+        opt_state = tx.init(overwrite.split(params, "params")[0])
         lookup.refuse_wrapped(opt_state, "tx", "the train state")
         return cls(
             step=jnp.zeros([], jnp.int32),
@@ -155,7 +158,6 @@ class TrainState(train_state.TrainState):
             changes the dtype of an optimizer-state leaf.
           ValueError: if `grads` and `params` differ in tree structure.
         """
-        _refuse_overwrite_with_gradient(grads, "grads")
         params, opt_state, loss_scale, applied = apply.apply_or_skip(
             self.tx,
             grads,
@@ -255,12 +257,3 @@ class Optimizer(nnx.Optimizer):
         skipped = ~metrics_lib.metrics(self.loss_scale)["last_finite"]
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates
-
-
-def _refuse_overwrite_with_gradient(tree: Any, name: str) -> None:
-    if hasattr(tree, "keys") and _OVERWRITE_WITH_GRADIENT in tree.keys():
-        raise ValueError(
-            f"`{name}` holds Flax's fp8 `{_OVERWRITE_WITH_GRADIENT}` collection,"
-            " which `lossscale.flax.TrainState` does not support: fp8 scaling"
-            " metadata must not be unscaled or skipped like gradients."
-        )

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
 from lossscale._src import kinds
 from lossscale._src import lookup
+from lossscale._src import overwrite
 from lossscale._src import step
 from lossscale._src.base import LossScale
 
@@ -20,6 +24,9 @@ class WrapState(NamedTuple):
       loss_scale: the loss-scale state (a `LossScale` pytree of scalar arrays).
       inner_state: the wrapped transformation's state; unchanged, bit for bit, by a
         skipped step.
+      pending_overwrite: None, except when Flax fp8 metadata is trained through a
+        wrapped `optax.MultiSteps`: their elementwise max over the micro-steps of
+        the current accumulation, written when the inner optimizer steps.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -34,6 +41,7 @@ class WrapState(NamedTuple):
 
     loss_scale: LossScale
     inner_state: optax.OptState
+    pending_overwrite: Any = None
 
 
 def wrap(
@@ -118,7 +126,8 @@ def wrap(
       >>> print(params)
       0.5
     """
-    if isinstance(inner, optax.MultiSteps):
+    accumulates = isinstance(inner, optax.MultiSteps)
+    if accumulates:
         inner = inner.gradient_transformation()
     checks.check_transformation(inner, "inner")
     inner = optax.with_extra_args_support(inner)
@@ -126,10 +135,16 @@ def wrap(
     options = checks.step_options(axis_name, clip_norm)
 
     def init_fn(params):
+        params, fp8_metadata = overwrite.split(params, "params")
         inner_state = inner.init(params)
         lookup.refuse_wrapped(inner_state, "inner", "`lossscale.wrap`")
+        # Under accumulation, fp8 metadata combine with max until the inner
+        # optimizer steps (design.md, "fp8 metadata").
+        pending = None
+        if accumulates and fp8_metadata is not None:
+            pending = overwrite.unproduced_like(fp8_metadata)
         # Fresh buffers on every call, so the state is safe to donate.
-        return WrapState(kinds.fresh_copy(template), inner_state)
+        return WrapState(kinds.fresh_copy(template), inner_state, pending)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, WrapState):
@@ -138,18 +153,41 @@ def wrap(
                 f" `init`, got {type(state).__name__}."
             )
 
-        def inner_step(grads, inner_state):
-            return inner.update(grads, inner_state, params, **extra_args)
+        def inner_step(grads, new_metadata, carry):
+            inner_state, pending = carry
+            trainable, old_metadata = overwrite.split(params, "params")
+            updates, new_inner_state = inner.update(
+                grads, inner_state, trainable, **extra_args
+            )
+            if old_metadata is None:
+                return updates, (new_inner_state, pending)
+            if pending is None:
+                written = overwrite.written(new_metadata, old_metadata)
+            else:
+                pending = overwrite.maximum(pending, new_metadata)
+                stepped = new_inner_state.mini_step == 0  # MultiSteps emitted
+                written = jax.tree.map(
+                    lambda new, old: jnp.where(stepped, new, old),
+                    overwrite.written(pending, old_metadata),
+                    old_metadata,
+                )
+                pending = jax.tree.map(
+                    lambda p: jnp.where(stepped, -jnp.inf, p), pending
+                )
+            # `apply_updates` adds: the difference writes the new values (to
+            # within one rounding of the sum).
+            differences = jax.tree.map(jnp.subtract, written, old_metadata)
+            return overwrite.merge(updates, differences), (new_inner_state, pending)
 
-        updates, inner_state, loss_scale, _ = step.guarded_step(
+        updates, (inner_state, pending), loss_scale, _ = step.guarded_step(
             state.loss_scale,
             updates,
             params,
             extra_args.get("value"),
             options,
             inner_step,
-            state.inner_state,
+            (state.inner_state, state.pending_overwrite),
         )
-        return updates, WrapState(loss_scale, inner_state)
+        return updates, WrapState(loss_scale, inner_state, pending)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
