@@ -1,7 +1,9 @@
 """The demo (the README's first command): float16 underflow is real, and fixed.
 
-Tolerance, stated: after 600 full-batch steps the float16 run with dynamic loss
-scaling must be within 0.03 test accuracy of the float32 run.
+The claim, tested at the README's step count (2000, seed 0): the float16 run with
+dynamic loss scaling ends within 0.05 test accuracy of the float32 run (the largest
+gap over seeds 0-6 is 0.042, `benchmarks/results/demo_seeds.md`), while float16
+without scaling loses most gradient elements to zero and stays at chance.
 """
 
 import pytest
@@ -10,19 +12,21 @@ pytest.importorskip("sklearn")
 
 from lossscale import demo  # noqa: E402
 
+STEPS = 2000  # the README's
+
 
 def test_demo_float16_with_loss_scaling_matches_float32_where_float16_fails(
     capsys, tmp_path
 ):
     plot = tmp_path / "demo.png"
-    results = demo.main(["--steps", "600", "--plot", str(plot)])
+    results = demo.main(["--steps", str(STEPS), "--plot", str(plot)])
     float32 = results["float32"]
     unscaled = results["float16, no loss scaling"]
     scaled = results["float16, dynamic loss scaling"]
 
     assert float32["accuracy"] > 0.8  # the model really learns
-    assert abs(scaled["accuracy"] - float32["accuracy"]) <= 0.03
-    assert scaled["final_loss"] < 1.2 * float32["final_loss"]
+    assert abs(scaled["accuracy"] - float32["accuracy"]) <= 0.05
+    assert scaled["final_loss"] < 0.5 < 2.0 < unscaled["final_loss"]
     # Without scaling, float16 loses the lower layers' gradients: a large share
     # of the elements float32 has are exactly zero, and training stalls.
     assert unscaled["underflow"] > 0.3
@@ -30,7 +34,9 @@ def test_demo_float16_with_loss_scaling_matches_float32_where_float16_fails(
     assert unscaled["accuracy"] < 0.3
     assert scaled["underflow"] < 0.01
     assert scaled["zero_fraction"].max() < 2 * float32["zero_fraction"].max() + 0.01
-    assert scaled["skipped_steps"] == 0 and scaled["loss_scale"] == 2.0**15
+    # No overflow, so the scale grew once per 2000 finite steps (the default).
+    assert scaled["skipped_steps"] == 0
+    assert scaled["loss_scale"] == 2.0**15 * 2 ** (STEPS // 2000)
 
     printed = capsys.readouterr().out
     for name in results:

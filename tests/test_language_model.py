@@ -1,0 +1,45 @@
+"""The language-model benchmark, short: same batches, three runs, gradient fidelity.
+
+The full run (`python benchmarks/language_model.py`) takes about ten minutes; this
+runs 20 steps of one seed and checks what the stored results rest on: the float16
+run with loss scaling follows the float32 run, and its gradients are closer to the
+float32 ones than unscaled float16 gradients are.
+"""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("flax")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import language_model  # noqa: E402
+
+
+def test_the_short_run_reports_what_the_full_run_does(tmp_path):
+    out = tmp_path / "lm"
+    results = language_model.main(
+        ["--steps", "20", "--seeds", "0", "--eval-batches", "2", "--quick"]
+        + ["--out", str(out)]
+    )
+    runs = results["runs"]
+    float32 = runs["float32"][0]
+    scaled = runs["float16, dynamic loss scaling"][0]
+    unscaled = runs["float16, no loss scaling"][0]
+    # The same seed and batches: the scaled float16 run follows float32 closely.
+    assert abs(scaled["held_out_loss"] - float32["held_out_loss"]) < 0.02
+    assert scaled["skipped_steps"] == 0 and unscaled["skipped_steps"] == 0
+    assert scaled["held_out_loss"] < 5.0 < 5.6  # below chance (ln 256 = 5.55)
+    fidelity = results["fidelity"]
+    assert (
+        fidelity["scaled"]["overall"]["relative_error"]
+        < fidelity["unscaled"]["overall"]["relative_error"] / 5
+    )
+    assert (
+        fidelity["scaled"]["overall"]["underflow_share"]
+        <= fidelity["unscaled"]["overall"]["underflow_share"]
+    )
+    stored = json.loads((tmp_path / "lm.json").read_text())
+    assert stored["runs"].keys() == runs.keys()
+    assert "| float16, dynamic loss scaling |" in (tmp_path / "lm.md").read_text()
