@@ -13,10 +13,9 @@ import numpy as np
 from lossscale._src.fields import Layout
 from lossscale._src.fields import declarations
 from lossscale._src.fields import field
-from lossscale._src.fields import kind_named
-from lossscale._src.fields import known_kinds
-from lossscale._src.fields import register_kind
 from lossscale._src.fields import setting
+from lossscale._src.registry import build
+from lossscale._src.registry import register_kind
 
 
 class LossScale(metaclass=abc.ABCMeta):
@@ -246,27 +245,7 @@ class LossScale(metaclass=abc.ABCMeta):
           >>> print(type(state).__name__, state.scale)
           StaticLossScale 8.0
         """
-        target = kind_named(config.get("kind") if isinstance(config, dict) else None)
-        if target is None or not isinstance(config, dict):
-            raise ValueError(
-                "`config` must be a dict from `get_config()`, whose 'kind' is one of"
-                f" {known_kinds()}; got {config!r}. (A kind defined in your code"
-                " is known once its module is imported.)"
-            )
-        if not issubclass(target, cls):
-            raise ValueError(
-                f"`{cls.__name__}.from_config` got a config of kind"
-                f" {config['kind']!r} ({target.__name__}); use"
-                " `lossscale.LossScale.from_config` to build any kind."
-            )
-        settings = {key: value for key, value in config.items() if key != "kind"}
-        expected = {s.public_name for s in target._setting_decls}
-        if set(settings) != expected:
-            raise ValueError(
-                f"`config` of kind {config['kind']!r} must have the settings"
-                f" {sorted(expected)}, got {sorted(settings)}."
-            )
-        return target(**settings)
+        return build(cls, config)
 
     # -- pytree, pickling, equality, repr ------------------------------------------
 

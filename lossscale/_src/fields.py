@@ -1,4 +1,4 @@
-"""How a loss-scale kind declares its array fields, its static settings and its name."""
+"""How a loss-scale kind declares its array fields and its static settings."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-# Kind name -> class, for `LossScale.from_config`.
-_KINDS: dict[str, type] = {}
 
 
 class field:  # noqa: N801 - used like `dataclasses.field`
@@ -283,36 +280,6 @@ def declarations(
                 )
             declared.index = index
     return tuple(fields.values()), tuple(settings.values())
-
-
-def register_kind(cls: type, kind: str | None) -> str:
-    """Registers `cls` under its kind name, for `LossScale.from_config`."""
-    name = kind if kind is not None else f"{cls.__module__}.{cls.__qualname__}"
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
-    known = _KINDS.get(name)
-    if known is not None and (known.__module__, known.__qualname__) != (
-        cls.__module__,
-        cls.__qualname__,
-    ):
-        raise ValueError(
-            f"The kind name {name!r} is taken by `{known.__module__}."
-            f"{known.__qualname__}`; pass another one: `class {cls.__name__}("
-            "lossscale.LossScale, kind=...)`."
-        )
-    # The same class defined again (a re-run notebook cell) replaces the old one.
-    _KINDS[name] = cls
-    return name
-
-
-def kind_named(name: Any) -> type | None:
-    """The class registered under the kind name `name`, or None."""
-    return _KINDS.get(name) if isinstance(name, str) else None
-
-
-def known_kinds() -> list[str]:
-    """The registered kind names."""
-    return sorted(_KINDS)
 
 
 def _fits(shape: tuple[int, ...], field_shape: tuple[int, ...]) -> bool:

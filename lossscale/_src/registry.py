@@ -1,0 +1,63 @@
+"""Kind names: `LossScale.from_config` builds the kind a config names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Kind name -> class.
+_KINDS: dict[str, type] = {}
+
+
+def register_kind(cls: type, kind: str | None) -> str:
+    """Registers `cls` under its kind name, for `LossScale.from_config`."""
+    name = kind if kind is not None else f"{cls.__module__}.{cls.__qualname__}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
+    known = _KINDS.get(name)
+    if known is not None and (known.__module__, known.__qualname__) != (
+        cls.__module__,
+        cls.__qualname__,
+    ):
+        raise ValueError(
+            f"The kind name {name!r} is taken by `{known.__module__}."
+            f"{known.__qualname__}`; pass another one: `class {cls.__name__}("
+            "lossscale.LossScale, kind=...)`."
+        )
+    # The same class defined again (a re-run notebook cell) replaces the old one.
+    _KINDS[name] = cls
+    return name
+
+
+def kind_named(name: Any) -> type | None:
+    """The class registered under the kind name `name`, or None."""
+    return _KINDS.get(name) if isinstance(name, str) else None
+
+
+def known_kinds() -> list[str]:
+    """The registered kind names."""
+    return sorted(_KINDS)
+
+
+def build(cls: type, config: Any) -> Any:
+    """`cls.from_config(config)`: a fresh state of the kind and settings in it."""
+    target = kind_named(config.get("kind") if isinstance(config, dict) else None)
+    if target is None:
+        raise ValueError(
+            "`config` must be a dict from `get_config()`, whose 'kind' is one of"
+            f" {known_kinds()}; got {config!r}. (A kind defined in your code is"
+            " known once its module is imported.)"
+        )
+    if not issubclass(target, cls):
+        raise ValueError(
+            f"`{cls.__name__}.from_config` got a config of kind"
+            f" {config['kind']!r} ({target.__name__}); use"
+            " `lossscale.LossScale.from_config` to build any kind."
+        )
+    settings = {key: value for key, value in config.items() if key != "kind"}
+    expected = {s.public_name for s in target._setting_decls}
+    if set(settings) != expected:
+        raise ValueError(
+            f"`config` of kind {config['kind']!r} must have the settings"
+            f" {sorted(expected)}, got {sorted(settings)}."
+        )
+    return target(**settings)
