@@ -175,8 +175,12 @@ def wrap(
                     lambda p: jnp.where(stepped, -jnp.inf, p), pending
                 )
             # `apply_updates` adds: the difference writes the new values (to
-            # within one rounding of the sum).
-            differences = jax.tree.map(jnp.subtract, written, old_metadata)
+            # within one rounding of the sum); -0.0 keeps an unchanged value bitwise.
+            differences = jax.tree.map(
+                lambda new, old: jnp.where(new == old, -0.0, new - old),
+                written,
+                old_metadata,
+            )
             return overwrite.merge(updates, differences), (new_inner_state, pending)
 
         updates, (inner_state, pending), loss_scale, _ = step.guarded_step(
