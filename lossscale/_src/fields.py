@@ -194,7 +194,6 @@ class Layout(NamedTuple):
     """
 
     dtypes: tuple[jnp.dtype, ...]  # of each leaf
-    sizes: tuple[int, ...]  # of each leaf
     slots: dict[str, tuple[int, int]]  # field name -> (leaf, offset)
 
     @classmethod
@@ -211,7 +210,7 @@ class Layout(NamedTuple):
             leaf = dtypes.index(dtype)
             slots[declared.name] = (leaf, sizes[leaf])
             sizes[leaf] += declared.size
-        return cls(tuple(dtypes), tuple(sizes), slots)
+        return cls(tuple(dtypes), slots)
 
     def leaf_names(self) -> tuple[str, ...]:
         """Key names of the leaves: `int32_fields`, `float32_fields`, ..."""
