@@ -150,11 +150,14 @@ def lossscale_train_state(params):
 
 
 def optax_apply_if_finite(params):
-    # optax has no loss scaling: unscale by the (static) scale, then skip.
+    # optax has no loss scaling: unscale by the (static) scale, then skip. The
+    # gradients are unscaled into the parameters' dtype, as a user must for
+    # 16-bit gradients: unscaled in float16, the update's dtype would differ
+    # between the cond's branches, which `apply_if_finite` refuses.
     tx = optax.apply_if_finite(inner(), max_consecutive_errors=10**6)
 
     def step(params, opt_state, grads):
-        grads = jax.tree.map(lambda g: g / SCALE, grads)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / SCALE, grads, params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -303,6 +306,9 @@ def main(argv=None):
                 steps=args.steps,
                 label=label,
                 baseline="plain optax step (baseline)",
+            )
+            report.write(
+                rows, out, title=f"Optimizer step alone ({args.inner})", echo=False
             )
     report.write(rows, out, title=f"Optimizer step alone ({args.inner})")
 

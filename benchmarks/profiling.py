@@ -35,6 +35,22 @@ def profile(run_block, steps: int) -> dict[str, float]:
     Returns:
       `dispatch_us` (median per call), `kernels_per_step`, `kernel_us_per_step`.
     """
+    kernels, calls, on_device = _trace(run_block, steps)
+    dispatch = np.median([e["dur"] for e in calls]) if calls and on_device else np.nan
+    return {
+        "dispatch_us": float(dispatch),
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_us_per_step": sum(e.get("dur", 0.0) for e in kernels) / steps,
+    }
+
+
+def kernel_events(run_block, steps: int) -> list[dict]:
+    """The device's kernel events (name, dur in us, args) over `run_block(steps)`."""
+    return _trace(run_block, steps)[0]
+
+
+def _trace(run_block, steps: int) -> tuple[list[dict], list[dict], bool]:
+    """(kernel events, outermost jit-call events, whether a device was traced)."""
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             run_block(steps)
@@ -67,12 +83,7 @@ def profile(run_block, steps: int) -> dict[str, float]:
     calls = _outermost(
         [e for e in work if e.get("name", "").startswith("PjitFunction(")]
     )
-    dispatch = np.median([e["dur"] for e in calls]) if calls and devices else np.nan
-    return {
-        "dispatch_us": float(dispatch),
-        "kernels_per_step": len(kernels) / steps,
-        "kernel_us_per_step": sum(e.get("dur", 0.0) for e in kernels) / steps,
-    }
+    return kernels, calls, bool(devices)
 
 
 def _outermost(events):

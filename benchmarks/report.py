@@ -153,8 +153,12 @@ def _row(label, candidate, base, base_times, times, compilations):
     return row
 
 
-def write(rows, out: str, *, title: str) -> None:
-    """Prints the Markdown table and writes it with the JSON next to `out`."""
+def write(rows, out: str, *, title: str, echo: bool = True) -> None:
+    """Writes the Markdown table and the JSON next to `out`; prints it if `echo`.
+
+    Scripts write after each setting too (`echo=False`), so a run cut short
+    keeps what it measured.
+    """
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = {
         "command": " ".join(["python", *sys.argv]),
@@ -204,8 +208,9 @@ def write(rows, out: str, *, title: str) -> None:
     table = "\n".join(lines) + "\n"
     with open(out + ".md", "w") as f:
         f.write(table)
-    print("\n" + table)
-    print(f"written: {out}.json, {out}.md")
+    if echo:
+        print("\n" + table)
+        print(f"written: {out}.json, {out}.md")
 
 
 def _us(value: float) -> str:

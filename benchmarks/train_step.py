@@ -351,6 +351,9 @@ def main(argv=None):
             label=f"{model}, {count / 1e6:.1f}M params",
             baseline=BASELINE,
         )
+        report.write(
+            rows, args.out, title="Full train step, float16 compute", echo=False
+        )
     report.write(rows, args.out, title="Full train step, float16 compute")
 
 

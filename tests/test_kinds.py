@@ -491,6 +491,7 @@ def test_sparse_gradients_are_refused_before_a_duplicate_overflow_can_hide():
             opt_state=optax.sgd(0.1).init(params),
             loss_scale=lossscale.NoOpLossScale(),
         ),
+        lambda: lossscale.grad_stats(grads),
     ]
     for call in calls:
         with pytest.raises(TypeError, match=r"sparse `BCOO` at \['w'\].*todense"):

@@ -51,8 +51,8 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
         it already does; inf for an all-zero tree).
 
     Raises:
-      TypeError: if a leaf is not floating point, or `loss_scale` is none of the
-        above.
+      TypeError: if a leaf is not floating point or is a
+        `jax.experimental.sparse` array, or `loss_scale` is none of the above.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -65,6 +65,7 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
       >>> print(stats["underflow_fraction"], round(float(stats["headroom_bits"]), 3))
       0.0 4.999
     """
+    checks.refuse_sparse(grads, "grads")
     scale = _scale_to_evaluate_at(loss_scale)
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
     per_leaf = {}

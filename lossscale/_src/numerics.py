@@ -6,7 +6,6 @@ Why each formulation is what it is, with the XLA measurements behind it, is in
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -85,28 +84,68 @@ def clip_to_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
     return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
 
 
+# Leaves with fewer elements are checked in groups, stacked by shape and dtype:
+# one reduction per group instead of one per leaf (design.md, Checking finiteness).
+GROUP_BELOW = 4096
+
+
 def all_finite_leaves(leaves: list[Any]) -> jax.Array:
     """Whether every element of every floating-point leaf is finite.
 
     Other leaves (integers, bools, and objects that are not arrays) are skipped.
 
-    One or two plain reductions per leaf, each one read of it (design.md,
-    Checking finiteness).
+    A leaf of 4096 elements or more is reduced on its own, in one read (two for
+    16-bit leaves); smaller leaves of one shape and dtype are stacked and reduced
+    together (design.md, Checking finiteness).
     """
+    large, stacks = _grouped(_float_arrays(leaves))
     checks = []
+    for values in large:
+        if values.dtype.itemsize < 4:
+            # float16, bfloat16: two plain reductions, the fastest on XLA:CPU.
+            checks.append(jnp.isfinite(jnp.max(values)) & jnp.isfinite(jnp.min(values)))
+        else:
+            checks.append(_finite_sum(values))
+    # One reduction per stack: faster than max and min over a copy (design.md).
+    checks.extend(_finite_sum(values) for values in stacks)
+    if not checks:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack(checks))
+
+
+def _finite_sum(values: jax.Array) -> jax.Array:
+    # 0 where finite, NaN elsewhere; a sum of zeros cannot overflow.
+    return jnp.isfinite(jnp.sum(values - values))
+
+
+def _grouped(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The arrays to reduce: each large leaf, and the small ones stacked.
+
+    Small leaves are stacked (a new leading axis) by shape and dtype rather than
+    concatenated, so that leaves sharded alike stay sharded: no collective moves
+    them. Zero-size leaves are left out: nothing in them can be non-finite.
+    """
+    large, small = [], {}
+    for leaf in leaves:
+        if leaf.size == 0:
+            continue
+        if leaf.size < GROUP_BELOW:
+            small.setdefault((leaf.shape, leaf.dtype), []).append(leaf)
+        else:
+            large.append(leaf)
+    return large, [jnp.stack(group) for group in small.values()]
+
+
+def _float_arrays(leaves: list[Any]) -> list[jax.Array]:
+    """The floating-point (and complex) leaves, as arrays."""
+    arrays = []
     for leaf in leaves:
         if not hasattr(leaf, "dtype") and not isinstance(leaf, float | complex):
             continue  # not an array: e.g. a function or a name in an Equinox model
         leaf = jnp.asarray(leaf)
-        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            continue
-        if leaf.dtype.itemsize < 4:
-            # float16, bfloat16: two plain reductions, the fastest on XLA:CPU.
-            checks.append(jnp.isfinite(jnp.max(leaf)) & jnp.isfinite(jnp.min(leaf)))
-        else:
-            # 0 where finite, NaN elsewhere; a sum of zeros cannot overflow.
-            checks.append(jnp.isfinite(jnp.sum(leaf - leaf)))
-    return functools.reduce(jnp.logical_and, checks, jnp.asarray(True))
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            arrays.append(leaf)
+    return arrays
 
 
 def _quotient(grad: jax.Array, inverse: jax.Array) -> jax.Array:
@@ -165,10 +204,15 @@ def _target_dtypes(leaves: list[Any], treedef: Any, params: Any) -> list[Any]:
 
 
 def _sum_of_squares(leaves: list[jax.Array]) -> jax.Array:
-    total = jnp.zeros([], jnp.float32)
-    for leaf in leaves:
-        total = total + jnp.sum(jnp.square(leaf)).astype(jnp.float32)
-    return total
+    """The sum of the squares of `leaves` (at least float32), in float32.
+
+    Grouped as the finiteness check is: one sum per group of small leaves.
+    """
+    large, stacks = _grouped(leaves)
+    sums = [
+        jnp.sum(jnp.square(values)).astype(jnp.float32) for values in large + stacks
+    ]
+    return jnp.sum(jnp.stack(sums)) if sums else jnp.zeros([], jnp.float32)
 
 
 def _flatten_keeping_none(tree: Any) -> tuple[list[Any], Any]:

@@ -71,26 +71,36 @@ def guarded_step(
     )
     applied = grads_finite & loss_finite
 
+    # The skip must match the applied branch's output types: the step may change
+    # dtypes (float16 gradients, float32 updates), which is where
+    # `optax.apply_if_finite` fails. `lax.cond` traces the applied branch first,
+    # which records them; otherwise (another JAX) the skip traces it once more.
+    applied_types = []
+
     def apply_branch(operands):
         grads, new_overwrite, carry = operands
         grads = numerics.unscale_tree(grads, loss_scale, params)
         if options.clip_norm is not None:
             grads = numerics.clip_to_norm(grads, norm, options.clip_norm)
-        return applied_step(grads, new_overwrite, carry)
-
-    operands = (grads, new_overwrite, carry)
-    # The skip must match the applied branch's output types: the step may change
-    # dtypes (float16 gradients, float32 updates), which is where
-    # `optax.apply_if_finite` fails.
-    output_types, carry_types = jax.eval_shape(apply_branch, operands)
-    checks.check_same_types(carry_types, carry)
+        result = applied_step(grads, new_overwrite, carry)
+        # From the abstract values: `ShapeDtypeStruct.like` of a tracer asks for
+        # its sharding, which costs a walk of the whole trace per leaf.
+        applied_types.append(
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct.like(jax.typeof(x)), result)
+        )
+        return result
 
     def skip_branch(operands):
+        if not applied_types:
+            jax.eval_shape(apply_branch, operands)
+        output_types, carry_types = applied_types[-1]
+        checks.check_same_types(carry_types, operands[2])
         # `full_like` of the applied types also keeps their `shard_map` typing
         # (which mapped axes the values vary over).
         zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
         return zeros, operands[2]
 
+    operands = (grads, new_overwrite, carry)
     output, carry = jax.lax.cond(applied, apply_branch, skip_branch, operands)
     return output, carry, update(loss_scale, grads_finite, loss_finite), applied
 
