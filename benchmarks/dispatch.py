@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,39 +28,22 @@ import report  # noqa: E402
 import lossscale  # noqa: E402
 
 
-class SevenScalars(NamedTuple):
-    """The leaves of lossscale 0.1's dynamic state: seven scalars."""
-
-    scale: jax.Array
-    counter: jax.Array
-    overflows_since_growth: jax.Array
-    skipped_steps: jax.Array
-    consecutive_skips: jax.Array
-    forward_overflows: jax.Array
-    stuck: jax.Array
-
-
-def seven_scalars():
-    return SevenScalars(
-        jnp.float32(2.0**15),
-        *(jnp.zeros([], jnp.int32) for _ in range(5)),
-        jnp.zeros([], jnp.bool_),
-    )
-
-
 def states(params):
     adam = optax.adam(1e-3)
     dynamic = lossscale.DynamicLossScale()
+    leaves = jax.tree.leaves(dynamic)
+    int32 = [x.astype(jnp.int32) for x in leaves if x.dtype != jnp.float32]
     return {
         "optax.adam state (baseline)": adam.init(params),
-        "adam state + DynamicLossScale (2 leaves)": (adam.init(params), dynamic),
-        "adam state + the same 2 leaves in a tuple": (
+        "adam state + DynamicLossScale (7 named leaves)": (adam.init(params), dynamic),
+        "adam state + the same 7 leaves in a tuple": (adam.init(params), tuple(leaves)),
+        "adam state + 3 rule leaves, the 4 counters in one array": (
             adam.init(params),
-            tuple(jax.tree.leaves(dynamic)),
+            (*leaves[:3], jnp.stack(int32[-4:])),
         ),
-        "adam state + 7 scalars (lossscale 0.1's layout)": (
+        "adam state + 2 arrays packed by dtype (0.2's layout)": (
             adam.init(params),
-            seven_scalars(),
+            (jnp.stack(int32), dynamic.scale[None]),
         ),
         "lossscale.wrap(adam) state": lossscale.wrap(adam).init(params),
         "adam state + Keras-like (scale, counter) scalars": (

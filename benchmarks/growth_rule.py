@@ -42,23 +42,18 @@ F16_MAX = 65504.0
 class HeadroomLossScale(lossscale.LossScale, kind="benchmarks.headroom"):
     """Grows to the measured headroom, minus a margin; backs off to safety."""
 
-    scale = lossscale.field(jnp.float32)
-    observed = lossscale.field(jnp.float32)  # largest |scaled gradient|, set per step
-    safe = lossscale.field(jnp.float32)  # the scale of the latest finite step
-    margin_bits = lossscale.setting()
-    min_scale = lossscale.setting()
-    max_scale = lossscale.setting()
+    scale: jax.Array = lossscale.field(dtype=jnp.float32, default=2.0**15)
+    # The largest |scaled gradient|, set per step.
+    observed: jax.Array = lossscale.field(dtype=jnp.float32, default=0.0)
+    # The scale of the latest finite step; the first scale if None.
+    safe: jax.Array = lossscale.field(dtype=jnp.float32, default=None)
+    margin_bits: int = lossscale.field(static=True, default=4)
+    min_scale: float = lossscale.field(static=True, default=1.0)
+    max_scale: float = lossscale.field(static=True, default=2.0**24)
 
-    def __init__(self, initial_scale=2.0**15, margin_bits=4, min_scale=1.0,
-                 max_scale=2.0**24):  # fmt: skip
-        super().__init__(
-            scale=initial_scale,
-            observed=0.0,
-            safe=initial_scale,
-            margin_bits=int(margin_bits),
-            min_scale=float(min_scale),
-            max_scale=float(max_scale),
-        )
+    def __post_init__(self):
+        if self.safe is None:
+            object.__setattr__(self, "safe", self.scale)
 
     @property
     def lowest_scale(self):

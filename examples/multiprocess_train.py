@@ -161,7 +161,7 @@ def train(args) -> None:
         return jnp.mean((out.astype(jnp.float32) - y) ** 2)
 
     tx = optax.adam(1e-2)
-    loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**12, growth_interval=4)
+    loss_scale = lossscale.DynamicLossScale(scale=2.0**12, growth_interval=4)
     if args.path == "wrap":
         # Plain `jit` over global arrays: the check reduces whole arrays, XLA adds
         # the cross-process reduction, and no `axis_name` is needed.

@@ -11,7 +11,6 @@ from lossscale._src.apply import apply_gradients
 from lossscale._src.base import LossScale
 from lossscale._src.config import check_config
 from lossscale._src.fields import field
-from lossscale._src.fields import setting
 from lossscale._src.functional import all_finite
 from lossscale._src.functional import scale_loss
 from lossscale._src.functional import select_tree
@@ -22,13 +21,15 @@ from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import LossScaleLike
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.legacy import checkpoint_0_2_layout
+from lossscale._src.legacy import from_checkpoint_0_2
 from lossscale._src.lookup import get_loss_scale
 from lossscale._src.metrics import metrics
 from lossscale._src.update import update
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = (
     "DynamicLossScale",
@@ -40,13 +41,14 @@ __all__ = (
     "all_finite",
     "apply_gradients",
     "check_config",
+    "checkpoint_0_2_layout",
     "field",
+    "from_checkpoint_0_2",
     "get_loss_scale",
     "grad_stats",
     "metrics",
     "scale_loss",
     "select_tree",
-    "setting",
     "unscale_grads",
     "update",
     "value_and_grad",

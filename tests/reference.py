@@ -11,7 +11,7 @@ import numpy as np
 class ReferenceDynamicRule:
     def __init__(
         self,
-        initial_scale=2.0**15,
+        scale=2.0**15,
         growth_interval=2000,
         growth_factor=2.0,
         backoff_factor=0.5,
@@ -19,7 +19,7 @@ class ReferenceDynamicRule:
         max_scale=2.0**24,
         hysteresis=1,
     ):
-        self.scale = np.float32(initial_scale)
+        self.scale = np.float32(scale)
         self.growth_interval = growth_interval
         self.growth_factor = np.float32(growth_factor)
         self.backoff_factor = np.float32(backoff_factor)

@@ -22,7 +22,7 @@ import lossscale.flax
 SPECS = {
     "none": None,
     "static": 8.0,
-    "dynamic": lossscale.DynamicLossScale(initial_scale=4.0, growth_interval=2),
+    "dynamic": lossscale.DynamicLossScale(scale=4.0, growth_interval=2),
 }
 INNERS = {
     "adam": lambda: optax.adam(1e-2),
@@ -96,7 +96,7 @@ def test_takes_the_same_steps_as_wrap_then_apply_updates(spec, inner, dtype, eve
 def test_forward_overflow_skips_without_backing_off():
     tx = optax.sgd(0.1)
     params = params_tree()
-    loss_scale = lossscale.DynamicLossScale(initial_scale=64.0)
+    loss_scale = lossscale.DynamicLossScale(scale=64.0)
     grads = grads_like(params, 0)
     new_params, opt_state, new_scale = lossscale.apply_gradients(
         tx,
@@ -339,7 +339,7 @@ def test_clip_norm_skips_non_finite_gradients(path, bad):
     params = params_tree()
     grads = grads_like(params, 4, bad=bad)
     (ours, our_scale), (_, their_scale) = run_clipped(
-        path, 1.0, lossscale.DynamicLossScale(initial_scale=8.0), grads, params
+        path, 1.0, lossscale.DynamicLossScale(scale=8.0), grads, params
     )
     assert tree_equal(ours, params)
     assert tree_equal(our_scale, their_scale)
@@ -352,7 +352,7 @@ def test_clip_norm_takes_an_overflow_of_the_squares_for_a_gradient_overflow():
     params = {"w": jnp.zeros(2)}
     grads = {"w": jnp.asarray([1e20, 0.0], jnp.float32)}
     tx = optax.sgd(1.0)
-    loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**15)
+    loss_scale = lossscale.DynamicLossScale(scale=2.0**15)
     new_params, _, loss_scale = lossscale.apply_gradients(
         tx,
         grads=grads,

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -13,7 +14,7 @@ STATES = [
     lossscale.StaticLossScale(0.7),
     lossscale.DynamicLossScale(),
     lossscale.DynamicLossScale(
-        initial_scale=4.0,
+        scale=4.0,
         growth_interval=3,
         growth_factor=3.0,
         backoff_factor=0.25,
@@ -29,7 +30,7 @@ def test_config_survives_json_and_rebuilds_the_same_settings(state):
     saved = json.loads(json.dumps(state.get_config()))
     rebuilt = lossscale.LossScale.from_config(saved)
     assert type(rebuilt) is type(state)
-    assert rebuilt._settings == state._settings
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(state)  # settings
     assert rebuilt.get_config() == saved
     lossscale.check_config(saved, state)
 
@@ -38,7 +39,7 @@ def test_config_reads_through_optimizer_states():
     opt_state = lossscale.wrap(optax.sgd(0.1), 64.0).init(jnp.zeros(2))
     assert lossscale.get_loss_scale(opt_state).get_config() == {
         "kind": "static",
-        "scale": 64.0,
+        "value": 64.0,
     }
 
 
@@ -63,9 +64,9 @@ def test_check_config_refuses_every_other_kind_or_setting(first, second):
     [
         ("dynamic", "must be a dict"),
         ({"kind": "fixed"}, "must be a dict"),
-        ({"kind": "static"}, r"\['scale'\]"),
-        ({"kind": "static", "scale": 2.0, "extra": 1}, "extra"),
-        ({"kind": "static", "scale": -2.0}, "positive"),
+        ({"kind": "static"}, r"\['value'\]"),
+        ({"kind": "static", "value": 2.0, "extra": 1}, "extra"),
+        ({"kind": "static", "value": -2.0}, "positive"),
     ],
 )
 def test_from_config_refuses_what_config_cannot_have_written(saved, match):

@@ -15,6 +15,7 @@ from lossscale import demo  # noqa: E402
 STEPS = 2000  # the README's
 
 
+@pytest.mark.slow
 def test_demo_float16_with_loss_scaling_matches_float32_where_float16_fails(
     capsys, tmp_path
 ):

@@ -48,6 +48,7 @@ def test_every_page_is_in_a_table_of_contents():
         assert name == "index" or f"\n{name}\n" in index, name
 
 
+@pytest.mark.slow
 def test_the_site_builds_with_warnings_as_errors(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]

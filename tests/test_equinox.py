@@ -67,6 +67,7 @@ def test_gradients_of_a_filtered_model_hold_none_and_functions_are_skipped():
     assert lossscale.select_tree(jnp.asarray(True), grads, grads) is not None
 
 
+@pytest.mark.slow  # a training run
 @pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
 def test_a_filtered_model_trains_exactly_and_skips_bitwise(path):
     inner = optax.adam(1e-2)

@@ -95,6 +95,7 @@ def linen_accuracy(state, x, y):
     return float(np.mean(np.argmax(np.asarray(logits), -1) == y))
 
 
+@pytest.mark.slow  # a training run
 def test_linen_train_state_trains_in_float16_and_skips_exactly(digits):
     state = linen_state()
     first_loss = None
@@ -204,6 +205,7 @@ def nnx_step(model, optimizer, x, y):
     return loss
 
 
+@pytest.mark.slow  # a training run
 def test_nnx_optimizer_trains_in_float16_and_skips_exactly(digits):
     model = NnxMLP(nnx.Rngs(0))
     optimizer = lossscale.flax.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
@@ -282,7 +284,7 @@ def restore(directory, step, target):
 
 
 def test_resuming_from_a_checkpoint_is_bit_identical(digits, tmp_path):
-    loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**15, growth_interval=7)
+    loss_scale = lossscale.DynamicLossScale(scale=2.0**15, growth_interval=7)
     stop = 60
     state = linen_state(loss_scale)
     schedule = list(batches(digits, 120))
@@ -310,7 +312,7 @@ def test_resuming_from_a_checkpoint_is_bit_identical(digits, tmp_path):
         ("dynamic", 1024.0, "tree structures do not match"),
         ("dynamic", None, "tree structures do not match"),
         (1024.0, None, "kind: checkpoint 'static', code 'none'"),
-        (1024.0, 512.0, "scale: checkpoint 1024.0, code 512.0"),
+        (1024.0, 512.0, "value: checkpoint 1024.0, code 512.0"),
         ("dynamic", lossscale.DynamicLossScale(hysteresis=2), "hysteresis"),
     ],
 )

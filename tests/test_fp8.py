@@ -76,7 +76,7 @@ def new_state(**kwargs):
         apply_fn=MODEL.apply,
         params=variables(),
         tx=optax.adam(1e-2),
-        loss_scale=lossscale.DynamicLossScale(initial_scale=2.0**8),
+        loss_scale=lossscale.DynamicLossScale(scale=2.0**8),
         **kwargs,
     )
 
@@ -162,7 +162,7 @@ def test_apply_gradients_and_wrap_write_the_metadata_too(clip_norm):
     params = variables()
     trainable = {"params": params["params"]}
     x, y = batch(1)
-    loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**8)
+    loss_scale = lossscale.DynamicLossScale(scale=2.0**8)
     grads = jax.grad(lambda v: lossscale.scale_loss(loss_fn(v, x, y), loss_scale))(
         params
     )

@@ -60,7 +60,7 @@ def test_the_loss_keeps_its_dtype_while_the_scaled_loss_is_float32():
 
 
 def test_accepts_an_optimizer_state_and_feeds_a_wrapped_optimizer():
-    tx = lossscale.wrap(optax.sgd(0.5), lossscale.DynamicLossScale(initial_scale=64.0))
+    tx = lossscale.wrap(optax.sgd(0.5), lossscale.DynamicLossScale(scale=64.0))
     params = {"w": W}
     opt_state = tx.init(params)
 

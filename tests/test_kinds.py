@@ -40,10 +40,7 @@ import lossscale.flax
 class AddOneLossScale(lossscale.LossScale, kind="tests.add_one"):
     """TF contrib's `SimpleLossScaleManager` test manager."""
 
-    scale = lossscale.field(jnp.float32)
-
-    def __init__(self, initial_scale=8.0):
-        super().__init__(scale=initial_scale)
+    scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0, kw_only=False)
 
     def adjust(self, grads_finite):
         return self.replace(scale=self.scale + jnp.where(grads_finite, 1.0, -1.0))
@@ -53,22 +50,12 @@ class DoublingLossScale(lossscale.LossScale):
     """Doubles after `period` finite steps in a row, halves on overflow, within
     [floor, cap]; remembers whether the last three rule steps were finite."""
 
-    scale = lossscale.field(jnp.float32)
-    finite_run = lossscale.field(jnp.int32)
-    history = lossscale.field(jnp.bool_, shape=(3,))
-    period = lossscale.setting()
-    floor = lossscale.setting()
-    cap = lossscale.setting()
-
-    def __init__(self, initial_scale=64.0, period=2, floor=1.0, cap=2.0**10):
-        super().__init__(
-            scale=initial_scale,
-            finite_run=0,
-            history=jnp.zeros(3, bool),
-            period=int(period),
-            floor=float(floor),
-            cap=float(cap),
-        )
+    scale: jax.Array = lossscale.field(dtype=jnp.float32, default=64.0, kw_only=False)
+    finite_run: jax.Array = lossscale.field(dtype=jnp.int32, default=0)
+    history: jax.Array = lossscale.field(dtype=jnp.bool_, shape=(3,), default=False)
+    period: int = lossscale.field(static=True, default=2)
+    floor: float = lossscale.field(static=True, default=1.0)
+    cap: float = lossscale.field(static=True, default=2.0**10)
 
     @property
     def lowest_scale(self):
@@ -241,7 +228,9 @@ def test_a_custom_kind_compiles_once_and_keeps_its_layout():
     assert step._cache_size() == 1
 
 
-@pytest.mark.parametrize("state", [AddOneLossScale(3.0), DoublingLossScale(8.0, 3)])
+@pytest.mark.parametrize(
+    "state", [AddOneLossScale(3.0), DoublingLossScale(8.0, period=3)]
+)
 def test_custom_kinds_round_trip_config_pickle_and_copies(state):
     state = lossscale.update(state, jnp.asarray(False))
     saved = json.loads(json.dumps(state.get_config()))
@@ -284,7 +273,7 @@ def test_metrics_and_lookup_read_a_custom_kind():
 
 
 def test_stuck_uses_the_kinds_lowest_scale():
-    state = DoublingLossScale(initial_scale=2.0, floor=1.0)
+    state = DoublingLossScale(2.0, floor=1.0)
     state = lossscale.update(state, jnp.asarray(False))  # 2 -> 1: not stuck yet
     assert not bool(state.stuck) and float(state.scale) == 1.0
     state = lossscale.update(state, jnp.asarray(False))  # at the floor: stuck
@@ -387,10 +376,7 @@ def test_replace_checks_names_dtypes_and_shapes():
 
 def test_adjust_must_return_the_same_kind_and_settings():
     class Wrong(lossscale.LossScale):
-        scale = lossscale.field(jnp.float32)
-
-        def __init__(self):
-            super().__init__(scale=1.0)
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
 
         def adjust(self, grads_finite):
             return lossscale.StaticLossScale(2.0)
@@ -399,69 +385,229 @@ def test_adjust_must_return_the_same_kind_and_settings():
         lossscale.update(Wrong(), jnp.asarray(True))
 
 
-def test_a_kind_must_pass_every_field_and_setting():
-    class Forgetful(lossscale.LossScale):
-        scale = lossscale.field(jnp.float32)
-        period = lossscale.setting()
+def test_a_rule_must_keep_each_fields_shape():
+    # Through `replace`, refused where it is made; through the constructor (which
+    # takes a leading batch shape), refused by `update`.
+    class Widening(lossscale.LossScale):
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+        run: jax.Array = lossscale.field(dtype=jnp.int32, default=0)
 
-        def __init__(self):
-            super().__init__(scale=1.0)
+        def adjust(self, grads_finite):
+            return self.replace(scale=jnp.full((3,), self.scale))
+
+    class Rebuilding(Widening):
+        def adjust(self, grads_finite):
+            return Rebuilding(scale=self.scale, run=jnp.zeros(3, jnp.int32))
+
+    with pytest.raises(ValueError, match=r"field `scale` has shape \(\), got.*\(3,\)"):
+        lossscale.update(Widening(), jnp.asarray(True))
+    with pytest.raises(TypeError, match=r"changed field `run` from int32\[\] to"):
+        lossscale.update(Rebuilding(), jnp.asarray(True))
+
+
+def test_a_custom_init_is_refused_at_class_creation():
+    with pytest.raises(TypeError, match="defines `__init__`.*__post_init__"):
+
+        class Forgetful(lossscale.LossScale):
+            scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+
+            def __init__(self):
+                pass
+
+            def adjust(self, grads_finite):
+                return self
+
+
+def test_an_array_field_without_a_value_says_so():
+    class Empty(lossscale.LossScale):
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=None)
 
         def adjust(self, grads_finite):
             return self
 
-    with pytest.raises(TypeError, match=r"expected \['period', 'scale'\]"):
-        Forgetful()
+    with pytest.raises(TypeError, match="field `scale` has no value"):
+        Empty()
+    with pytest.raises(TypeError, match="missing.*'scale'"):
+        type(
+            "NoDefault",
+            (Empty,),
+            {
+                "__annotations__": {"scale": jax.Array},
+                "scale": lossscale.field(dtype=jnp.float32),
+            },
+        )()
 
 
-def test_a_kind_without_scale_or_rule_is_abstract():
-    class NoRule(lossscale.LossScale):
-        scale = lossscale.field(jnp.float32)
+def test_a_kind_without_scale_or_rule_is_refused_at_class_creation():
+    with pytest.raises(TypeError, match="must define `adjust"):
 
-    with pytest.raises(TypeError, match="abstract"):
-        NoRule(scale=1.0)
+        class NoRule(lossscale.LossScale):
+            scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+
+    with pytest.raises(TypeError, match="must define `scale`"):
+
+        class NoScale(lossscale.LossScale):
+            def adjust(self, grads_finite):
+                return self
+
+
+def _kind(annotations, body):
+    body = {"adjust": lambda self, grads_finite: self, **body}
+    return type("Bad", (lossscale.LossScale,), {"__annotations__": annotations, **body})
 
 
 @pytest.mark.parametrize(
-    "body, error, match",
+    "annotations, body, match",
     [
-        ({"skipped_steps": lossscale.field(jnp.int32)}, TypeError, "declares"),
-        ({"kind_": None, "kind": lossscale.setting()}, TypeError, "`kind`"),
+        (
+            {"scale": jax.Array, "skipped_steps": jax.Array},
+            {
+                "scale": lossscale.field(dtype=jnp.float32, default=1.0),
+                "skipped_steps": lossscale.field(dtype=jnp.float32, default=0.0),
+            },
+            "a counter every state has",
+        ),
+        (
+            {"scale": jax.Array, "kind": str},
+            {"scale": lossscale.field(dtype=jnp.float32, default=1.0), "kind": "x"},
+            "without `lossscale.field`",
+        ),
+        (
+            {"scale": jax.Array, "kind": str},
+            {
+                "scale": lossscale.field(dtype=jnp.float32, default=1.0),
+                "kind": lossscale.field(static=True, default="x"),
+            },
+            "a name `LossScale` uses",
+        ),
+        (
+            {"scale": jax.Array, "period": int},
+            {"scale": lossscale.field(dtype=jnp.float32, default=1.0), "period": 2},
+            r"`Bad.period`.*lossscale.field\(static=True",
+        ),
     ],
 )
-def test_declaration_mistakes_are_refused(body, error, match):
-    with pytest.raises(error, match=match):
-        type("Bad", (lossscale.LossScale,), dict(body))
+def test_declaration_mistakes_are_refused(annotations, body, match):
+    with pytest.raises(TypeError, match=match):
+        _kind(annotations, body)
 
 
 def test_settings_must_be_static_python_values():
     class Holder(lossscale.LossScale):
-        scale = lossscale.field(jnp.float32)
-        value = lossscale.setting()
-
-        def __init__(self, value):
-            super().__init__(scale=1.0, value=value)
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+        value: object = lossscale.field(static=True, default=None)
 
         def adjust(self, grads_finite):
             return self
 
     with pytest.raises(TypeError, match="setting `value` must be a Python value"):
-        Holder(jnp.float32(1.0))
-    with pytest.raises(TypeError, match="hashable"):
-        Holder([1, 2])
-    assert Holder((1, 2)).value == (1, 2)
+        Holder(value=jnp.float32(1.0))
+    with pytest.raises(TypeError, match="number, string, bool, None or a tuple"):
+        Holder(value={1: 2})
+    assert Holder(value=(1, 2)).value == (1, 2)
+    assert Holder(value=[1, [2.5, "a"]]).value == (1, (2.5, "a"))  # JSON's lists
 
 
-def test_fields_need_a_numeric_dtype_and_a_shape_tuple():
+def test_fields_need_a_numeric_dtype_jax_keeps_and_a_shape_tuple():
     with pytest.raises(TypeError, match="numeric or boolean"):
-        lossscale.field(jnp.dtype("U3"))
+        lossscale.field(dtype=jnp.dtype("U3"))
     with pytest.raises(TypeError, match="tuple of non-negative ints"):
-        lossscale.field(jnp.float32, shape=[3])
+        lossscale.field(dtype=jnp.float32, shape=[3])
+    with pytest.raises(TypeError, match="needs `dtype=`"):
+        lossscale.field()
+    with pytest.raises(TypeError, match="takes no `dtype`"):
+        lossscale.field(static=True, dtype=jnp.int32)
+    if not jax.config.jax_enable_x64:
+        # `int` is int64, which JAX stores as int32: a cast could never fix it.
+        with pytest.raises(TypeError, match=r"stores int64 as int32.*jnp.int32"):
+            lossscale.field(dtype=int)
+    with pytest.raises(TypeError, match="default.*Python number"):
+        lossscale.field(dtype=jnp.float32, default=jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (
+            {
+                "scale": lossscale.field(dtype=jnp.float32, shape=(2,), default=1.0),
+            },
+            r"scale` must be a float32 scalar array, got a field of float32 and shape",
+        ),
+        ({"scale": property(lambda self: 4.0)}, "scale` must be a float32 scalar"),
+        (
+            {
+                "scale": lossscale.field(dtype=jnp.float32, default=1.0),
+                "lowest_scale": property(lambda self: self.scale),
+            },
+            "lowest_scale` must be a static Python float",
+        ),
+    ],
+)
+def test_scale_and_bounds_are_checked_where_declared_or_built(body, match):
+    is_field = not isinstance(body["scale"], property)
+    with pytest.raises(TypeError, match=match):
+        _kind({"scale": jax.Array} if is_field else {}, body)()
+
+
+def test_private_and_public_settings_round_trip_apart():
+    class Floors(lossscale.LossScale, kind="tests.floors"):
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+        _floor: float = lossscale.field(static=True, default=1.0)
+        floor: float = lossscale.field(static=True, default=2.0)
+        milestones: tuple = lossscale.field(static=True, default=())
+
+        def adjust(self, grads_finite):
+            return self
+
+    state = Floors(_floor=3.0, floor=4.0, milestones=(10, 20))
+    saved = json.loads(json.dumps(state.get_config()))
+    assert saved == {
+        "kind": "tests.floors",
+        "_floor": 3.0,
+        "floor": 4.0,
+        "milestones": [10, 20],
+    }
+    assert lossscale.LossScale.from_config(saved) == state
+
+
+def test_kinds_made_by_one_function_are_not_confused():
+    def make(step):
+        class Stepper(lossscale.LossScale):
+            scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0)
+
+            def adjust(self, grads_finite):
+                return self.replace(scale=self.scale + step)
+
+        return Stepper
+
+    up, down = make(1.0), make(-1.0)
+    for kind in (up, down):
+        with pytest.raises(ValueError, match="defined inside a function.*kind="):
+            lossscale.LossScale.from_config(kind().get_config())
+
+
+def test_a_nan_scale_is_stuck_and_a_zero_scale_keeps_nan_out():
+    class Broken(lossscale.LossScale):
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+        lowest_scale = 1.0
+
+        def adjust(self, grads_finite):
+            return self  # never moves: the test sets the scale
+
+    state = lossscale.update(Broken(scale=jnp.nan), jnp.asarray(False))
+    assert bool(state.stuck)
+    tx = lossscale.wrap(optax.sgd(0.1), Broken(scale=0.0))
+    params = jnp.ones(3)
+    grads = jnp.zeros(3)  # the gradients of a loss scaled by 0
+    updates, opt_state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert np.isfinite(np.asarray(optax.apply_updates(params, updates))).all()
+    assert int(opt_state.loss_scale.skipped_steps) == 1
 
 
 def test_a_kind_name_cannot_be_taken_twice():
     with pytest.raises(ValueError, match="'dynamic' is taken by"):
-        type("Other", (lossscale.StaticLossScale,), {"__slots__": ()}, kind="dynamic")
+        type("Other", (lossscale.StaticLossScale,), {}, kind="dynamic")
 
 
 # -- sparse gradients ----------------------------------------------------------

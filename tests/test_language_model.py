@@ -17,6 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import language_model  # noqa: E402
 
 
+@pytest.mark.slow
 def test_the_short_run_reports_what_the_full_run_does(tmp_path):
     out = tmp_path / "lm"
     results = language_model.main(

@@ -24,7 +24,7 @@ jitted_update = jax.jit(lossscale.update)
 
 SETTINGS = st.fixed_dictionaries(
     {
-        "initial_scale": st.sampled_from([1.0, 8.0, 2.0**15, 3.0]),
+        "scale": st.sampled_from([1.0, 8.0, 2.0**15, 3.0]),
         "growth_interval": st.integers(1, 4),
         "growth_factor": st.sampled_from([2.0, 3.0, 1.5]),
         "backoff_factor": st.sampled_from([0.5, 0.25, 0.7]),
@@ -32,7 +32,7 @@ SETTINGS = st.fixed_dictionaries(
         "max_scale": st.sampled_from([2.0**16, 2.0**24, 100.0]),
         "hysteresis": st.integers(1, 3),
     }
-).filter(lambda s: s["min_scale"] <= s["initial_scale"] <= s["max_scale"])
+).filter(lambda s: s["min_scale"] <= s["scale"] <= s["max_scale"])
 
 
 def assert_matches_reference(state, reference):
@@ -78,7 +78,7 @@ class DynamicRuleMachine(RuleBasedStateMachine):
     @invariant()
     def settings_unchanged(self):
         for name, value in self.settings.items():
-            if name != "initial_scale":
+            if name != "scale":
                 # Float settings are kept as the float32 values the rule uses.
                 assert getattr(self.state, name) == np.float32(value)
 
@@ -127,7 +127,7 @@ def test_scale_grows_on_the_growth_interval_th_finite_step():
 
 
 def test_hysteresis_backs_off_only_after_that_many_overflows_since_growth():
-    state = lossscale.DynamicLossScale(initial_scale=64.0, hysteresis=3)
+    state = lossscale.DynamicLossScale(scale=64.0, hysteresis=3)
     scales = []
     for finite in [False, True, False, False, False, True]:
         state = lossscale.update(state, jnp.asarray(finite))
@@ -139,7 +139,7 @@ def test_hysteresis_backs_off_only_after_that_many_overflows_since_growth():
 
 def test_scale_never_leaves_bounds_even_with_extreme_factors():
     state = lossscale.DynamicLossScale(
-        initial_scale=2.0**100,
+        scale=2.0**100,
         growth_interval=1,
         growth_factor=2.0**20,
         backoff_factor=2.0**-30,
@@ -193,7 +193,7 @@ KINDS = [
     lossscale.NoOpLossScale(),
     lossscale.StaticLossScale(3.0),
     lossscale.DynamicLossScale(
-        initial_scale=6.0,
+        scale=6.0,
         growth_interval=7,
         growth_factor=3.0,
         backoff_factor=0.25,
@@ -250,19 +250,28 @@ def test_fields_are_scalar_arrays_with_explicit_dtypes(state):
 
 
 @pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
-def test_leaves_are_one_array_per_dtype(state):
-    # The fields are packed by dtype (bools with the int32s): a dynamic state
-    # is two leaves, so a jitted call handles two arrays, not seven.
+def test_leaves_are_named_scalars_of_explicit_dtypes(state):
+    # Checkpoints and sharding rules read each leaf by its field's name.
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(state)
-    dynamic = isinstance(state, lossscale.DynamicLossScale)
-    expected = {"int32_fields": (jnp.int32, 6 if dynamic else 4)}
-    if dynamic:
-        expected["float32_fields"] = (jnp.float32, 1)
-    assert {path[-1].name for path, _ in paths_and_leaves} == set(expected)
-    for path, leaf in paths_and_leaves:
-        dtype, size = expected[path[-1].name]
+    expected = {
+        "skipped_steps": jnp.int32,
+        "consecutive_skips": jnp.int32,
+        "forward_overflows": jnp.int32,
+        "stuck": jnp.bool_,
+    }
+    if isinstance(state, lossscale.DynamicLossScale):
+        expected = {
+            "scale": jnp.float32,
+            "counter": jnp.int32,
+            "overflows_since_growth": jnp.int32,
+            **expected,
+        }
+    assert [jax.tree_util.keystr(p) for p, _ in paths_and_leaves] == [
+        f".{name}" for name in expected
+    ]
+    for (_path, leaf), dtype in zip(paths_and_leaves, expected.values(), strict=True):
         assert isinstance(leaf, jax.Array) and not leaf.weak_type
-        assert leaf.dtype == dtype and leaf.shape == (size,)
+        assert leaf.dtype == dtype and leaf.shape == ()
 
 
 @pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
@@ -300,15 +309,15 @@ def test_unflatten_does_not_validate_leaves():
 
 def test_states_are_immutable():
     state = lossscale.DynamicLossScale()
-    with pytest.raises(AttributeError, match="immutable"):
+    with pytest.raises(AttributeError, match="cannot assign to field 'scale'"):
         state.scale = jnp.float32(1.0)
 
 
 def test_repr_names_leaves_and_settings():
-    text = repr(lossscale.DynamicLossScale(initial_scale=4.0, growth_interval=3))
+    text = repr(lossscale.DynamicLossScale(scale=4.0, growth_interval=3))
     assert text.startswith("DynamicLossScale(scale=4.0, counter=0")
     assert "growth_interval=3" in text
-    assert repr(lossscale.StaticLossScale(2)).endswith("scale=2.0)")
+    assert repr(lossscale.StaticLossScale(2)).endswith("value=2.0)")
 
 
 def test_base_class_is_abstract():
@@ -326,7 +335,7 @@ BAD_DYNAMIC = [
     ({"backoff_factor": 0.0}, ValueError, "backoff_factor.*positive"),
     ({"backoff_factor": -0.5}, ValueError, "backoff_factor"),
     (
-        {"min_scale": 4.0, "max_scale": 2.0, "initial_scale": 3.0},
+        {"min_scale": 4.0, "max_scale": 2.0, "scale": 3.0},
         ValueError,
         "min_scale.*<= `max_scale`",
     ),
@@ -334,10 +343,10 @@ BAD_DYNAMIC = [
     ({"min_scale": 1e-50}, ValueError, "min_scale.*float32"),
     ({"max_scale": float("inf")}, ValueError, "max_scale"),
     ({"max_scale": 1e39}, ValueError, "max_scale.*float32"),
-    ({"initial_scale": -1.0}, ValueError, "initial_scale"),
-    ({"initial_scale": float("nan")}, ValueError, "initial_scale"),
-    ({"initial_scale": 0.5}, ValueError, r"initial_scale.*\[min_scale, max_scale\]"),
-    ({"initial_scale": 2.0**30}, ValueError, "initial_scale"),
+    ({"scale": -1.0}, ValueError, "scale"),
+    ({"scale": float("nan")}, ValueError, "scale"),
+    ({"scale": 0.5}, ValueError, r"scale.*\[min_scale, max_scale\]"),
+    ({"scale": 2.0**30}, ValueError, "scale"),
     ({"growth_interval": 0}, ValueError, "growth_interval.*>?1"),
     ({"growth_interval": -3}, ValueError, "growth_interval"),
     ({"growth_interval": 2.5}, TypeError, "growth_interval.*int"),
@@ -346,7 +355,7 @@ BAD_DYNAMIC = [
     ({"growth_interval": 2**31}, ValueError, "growth_interval"),
     ({"hysteresis": 0}, ValueError, "hysteresis"),
     ({"hysteresis": 1.5}, TypeError, "hysteresis.*int"),
-    ({"initial_scale": "big"}, TypeError, "initial_scale.*real number"),
+    ({"scale": "big"}, TypeError, "scale.*real number"),
     ({"growth_factor": None}, TypeError, "growth_factor.*real number"),
     ({"min_scale": True}, TypeError, "min_scale"),
     ({"max_scale": np.array([1.0, 2.0])}, TypeError, "max_scale"),
@@ -373,13 +382,13 @@ def test_bad_dynamic_settings_raise_naming_the_argument(kwargs, error, message):
     ],
 )
 def test_bad_static_scale_raises(scale, error):
-    with pytest.raises(error, match="`scale`"):
+    with pytest.raises(error, match="`value`"):
         lossscale.StaticLossScale(scale)
 
 
 def test_numpy_and_jax_scalars_are_accepted_as_settings():
     state = lossscale.DynamicLossScale(
-        initial_scale=np.float64(8.0),
+        scale=np.float64(8.0),
         growth_interval=np.int64(5),
         min_scale=jnp.float32(0.5),
     )
@@ -412,5 +421,5 @@ def test_update_rejects_non_states():
 
 
 def test_update_accepts_python_bools():
-    state = lossscale.update(lossscale.DynamicLossScale(initial_scale=4.0), False)
+    state = lossscale.update(lossscale.DynamicLossScale(scale=4.0), False)
     assert float(state.scale) == 2.0

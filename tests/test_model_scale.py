@@ -15,6 +15,7 @@ import optax
 import pytest
 from conftest import tree_equal
 from hypothesis import given
+from hypothesis import settings
 
 import lossscale
 from lossscale._src import numerics
@@ -90,11 +91,14 @@ def small_leaf_trees(draw):
     return {f"p{i}": jnp.asarray(leaf) for i, leaf in enumerate(leaves)}
 
 
+# Each example compiles a step: fewer than the suite's default, for the quick loop.
+@settings(max_examples=15)
 @given(small_leaf_trees())
 def test_grouped_check_agrees_with_numpy(tree):
     assert bool(lossscale.all_finite(tree)) == numpy_all_finite(tree)
 
 
+@settings(max_examples=15)
 @given(small_leaf_trees())
 def test_grouped_clip_norm_agrees_with_optax(grads):
     grads = {k: v.astype(jnp.float32) for k, v in grads.items()}
@@ -165,6 +169,7 @@ def unscaled(grads, params, scale):
     }
 
 
+@pytest.mark.slow
 def test_a_thousand_leaf_step_applies_skips_and_compiles_once():
     params, grad_dtypes = thousand_leaf_tree()
     params = jax.device_put(params)

@@ -133,6 +133,7 @@ def check_identical_everywhere(table, steps):
 @pytest.mark.parametrize(
     "count, path", [(2, "wrap"), (2, "apply"), (4, "wrap")], ids=str
 )
+@pytest.mark.slow
 def test_every_process_skips_and_keeps_identical_state(tmp_path, count, path):
     steps = 6 if count == 2 else 4
     with Run(
@@ -147,6 +148,7 @@ def test_every_process_skips_and_keeps_identical_state(tmp_path, count, path):
     assert skipped == expected
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_run_in_bounded_time_and_a_restart_resumes_exactly(
     tmp_path,
 ):
@@ -195,6 +197,7 @@ def test_a_killed_process_stops_the_run_in_bounded_time_and_a_restart_resumes_ex
         assert resumed[step] == uninterrupted[step]
 
 
+@pytest.mark.slow
 def test_the_readme_command_runs_locally():
     # `python examples/multiprocess_train.py --local 2`, as the README shows it.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -25,6 +25,7 @@ def test_notebook_is_stored_without_outputs(path):
             assert not cell.outputs and cell.execution_count is None, path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
 def test_notebook_runs(path, tmp_path):
     notebook = nbformat.read(path, as_version=4)

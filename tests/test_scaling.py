@@ -37,7 +37,7 @@ def test_scale_loss_promotes_to_float32_and_cannot_overflow(dtype):
         (lossscale.StaticLossScale(4), 4.0),
         (lossscale.StaticLossScale(0.5), 0.5),
         (lossscale.DynamicLossScale(), 2.0**15),
-        (lossscale.DynamicLossScale(initial_scale=8.0), 8.0),
+        (lossscale.DynamicLossScale(scale=8.0), 8.0),
     ],
 )
 def test_scale_loss_takes_every_kind_of_state(state, expected):

@@ -68,7 +68,7 @@ def test_keras_documentation_example():
 
 
 def test_skipped_step_changes_nothing_but_the_loss_scale(assert_tree_equal):
-    tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale(initial_scale=8.0))
+    tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale(scale=8.0))
     step = make_step(tx)
     params, opt_state = params_tree(), tx.init(params_tree())
     params, opt_state, _ = step(params, opt_state, grads_like(params, 0))  # warm Adam
@@ -100,7 +100,7 @@ def test_skipped_updates_are_negative_zeros_that_keep_every_parameter_bitwise():
 
 
 def test_scale_doubles_after_growth_interval_finite_steps():
-    loss_scale = lossscale.DynamicLossScale(initial_scale=4.0, growth_interval=3)
+    loss_scale = lossscale.DynamicLossScale(scale=4.0, growth_interval=3)
     tx = lossscale.wrap(optax.sgd(0.1), loss_scale)
     step = make_step(tx)
     params, opt_state = params_tree(), tx.init(params_tree())
@@ -141,7 +141,7 @@ def inner_optimizer():
 
 
 # Built once: one compile serves every hypothesis example.
-EXACT_SETTINGS = dict(initial_scale=2.0**14, growth_interval=2, hysteresis=2)
+EXACT_SETTINGS = dict(scale=2.0**14, growth_interval=2, hysteresis=2)
 EXACT_TX = lossscale.wrap(
     inner_optimizer(), lossscale.DynamicLossScale(**EXACT_SETTINGS)
 )
@@ -254,7 +254,7 @@ def buffer_pointers(tree):
 
 
 def test_every_init_returns_fresh_buffers_safe_to_donate():
-    template = lossscale.DynamicLossScale(initial_scale=64.0)
+    template = lossscale.DynamicLossScale(scale=64.0)
     tx = lossscale.wrap(optax.sgd(0.1), template)
     params = params_tree()
     first, second = tx.init(params), tx.init(params)
@@ -395,7 +395,7 @@ def test_wrap_inside_a_chain_skips_and_is_found():
 
 
 def test_multisteps_around_wrap_updates_the_scale_once_per_cycle():
-    loss_scale = lossscale.DynamicLossScale(initial_scale=64.0, growth_interval=1)
+    loss_scale = lossscale.DynamicLossScale(scale=64.0, growth_interval=1)
     tx = optax.MultiSteps(
         lossscale.wrap(optax.sgd(1.0), loss_scale), every_k_schedule=3
     )
@@ -566,7 +566,7 @@ def test_scale_below_one_skips_when_unscaling_overflows_float16():
 
 
 def test_dynamic_scale_below_one_checks_the_unscaled_values():
-    loss_scale = lossscale.DynamicLossScale(initial_scale=0.25, min_scale=2.0**-4)
+    loss_scale = lossscale.DynamicLossScale(scale=0.25, min_scale=2.0**-4)
     tx = lossscale.wrap(optax.sgd(1.0), loss_scale)
     params = {"w": jnp.zeros(1, jnp.float16)}
     grads = {"w": jnp.asarray([20000.0], jnp.float16)}  # unscaled: 80000 = inf
@@ -613,7 +613,7 @@ def test_get_loss_scale_errors_name_the_problem():
 
 
 def test_metrics_report_the_skip_history_under_jit():
-    tx = lossscale.wrap(optax.sgd(0.1), lossscale.DynamicLossScale(initial_scale=16.0))
+    tx = lossscale.wrap(optax.sgd(0.1), lossscale.DynamicLossScale(scale=16.0))
     step = make_step(tx)
     params = params_tree()
     opt_state = tx.init(params)

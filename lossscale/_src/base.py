@@ -2,160 +2,126 @@
 
 from __future__ import annotations
 
-import abc
+import dataclasses
+import functools
+import operator
 from typing import Any
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src.fields import Layout
-from lossscale._src.fields import declarations
+from lossscale._src import fields
 from lossscale._src.fields import field
-from lossscale._src.fields import setting
 from lossscale._src.registry import build
 from lossscale._src.registry import register_kind
 
+# Names a kind may not use for a field: the base class's own attributes.
+_RESERVED = frozenset(
+    {"kind", "adjust", "replace", "get_config", "from_config"}
+    | {"lowest_scale", "highest_scale"}
+)
 
-class LossScale(metaclass=abc.ABCMeta):
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class LossScale:
     """Base class of loss-scale states; subclass it to define a kind of your own.
 
-    A loss-scale state is an immutable pytree: its array fields have fixed dtypes
-    and shapes (so a jitted step compiles once) and are packed into one leaf per
-    dtype (two arrays for a dynamic scale), and its settings are static (kept by
-    `jax.jit`, `jax.tree.map`, pickling and checkpoints). A kind
-    is a subclass that declares
+    A state is a frozen, keyword-only dataclass and a pytree: each array field
+    (`lossscale.field(dtype=...)`) is a leaf named by its field, and each
+    setting (`lossscale.field(static=True)`) is part of the tree structure,
+    kept by `jax.jit`, `jax.tree.map`, pickling and checkpoints. A kind
+    subclasses `LossScale` (which makes it a dataclass) and defines
 
-    * its array fields with `lossscale.field(dtype)` and its settings with
-      `lossscale.setting()`, in the class body;
-    * an `__init__` that validates its arguments and passes every field's initial
-      value and every setting to `super().__init__(**values)`;
+    * its fields, each with a default if `from_config` is to build it;
     * `scale`: the current loss scale, a float32 scalar (a field or a property);
-    * `adjust(grads_finite)`: the rule, returning the state after a step whose
-      loss was finite (`self.replace(...)`), branch-free so that it runs under
-      `jax.jit`;
-    * optionally `lowest_scale` and `highest_scale`: static bounds of the scale
-      (Python floats; defaults 0.0 and inf, "unknown"). `lowest_scale` makes
-      `stuck` meaningful and lets the finiteness check read the scaled gradients
-      as they are when the scale stays >= 1; where both bounds are 1 the scale is
-      a no-op.
+    * `adjust(grads_finite)`: the rule, returning `self.replace(...)`, without
+      Python branches on arrays (it runs under `jax.jit`);
+    * optionally `lowest_scale` and `highest_scale`, static Python floats
+      (defaults 0.0 and inf, "unknown"): `stuck` and the finiteness check use
+      them, and where both are 1 the scale is a no-op;
+    * optionally `__post_init__` to check or derive settings (set them with
+      `object.__setattr__`, as in any frozen dataclass).
 
-    The library keeps every state's counters itself, through `lossscale.update`:
-
-    * `skipped_steps` (int32): steps skipped for non-finite values (saturates at
-      2**31 - 1);
-    * `consecutive_skips` (int32): such steps in a row, up to the latest one;
-    * `forward_overflows` (int32): skipped steps whose loss was not finite (an
-      overflow in the forward pass, which no loss scale fixes; the rule does not
-      see those steps: `adjust` runs, but its result is dropped);
-    * `stuck` (bool): the latest step overflowed in the backward pass with the
-      scale at `lowest_scale`, so backing off could not help.
-
-    States compare by value (`==` on concrete arrays), and
-    `get_config`/`from_config` round-trip the kind and its settings as JSON, as
-    TF's `LossScale` does. `NoOpLossScale`, `StaticLossScale` and
-    `DynamicLossScale` are defined the same way.
+    Every state has the counters the library keeps through `lossscale.update`:
+    `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32) and
+    `stuck` (bool); see the design note (`docs/design.md`, "States").
 
     Examples:
       TF contrib's test manager: the scale goes up by one after a finite step and
       down by one after a non-finite one.
 
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import lossscale
-      >>> class AddOneLossScale(lossscale.LossScale):
-      ...     scale = lossscale.field(jnp.float32)
-      ...     def __init__(self, initial_scale=8.0):
-      ...         super().__init__(scale=initial_scale)
+      >>> class AddOne(lossscale.LossScale, kind="doctest.add_one"):
+      ...     scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0)
       ...     def adjust(self, grads_finite):
       ...         return self.replace(scale=self.scale + jnp.where(grads_finite, 1, -1))
-      >>> state = AddOneLossScale()
+      >>> state = AddOne()
       >>> for finite in [False, False, True]:
       ...     state = lossscale.update(state, jnp.array(finite))
       >>> print(state.scale, state.skipped_steps)
       7.0 2
-      >>> print(AddOneLossScale.from_config(state.get_config()) == AddOneLossScale())
-      True
+      >>> paths = jax.tree_util.tree_leaves_with_path(state)
+      >>> print(" ".join(jax.tree_util.keystr(path) for path, _ in paths))
+      .scale .skipped_steps .consecutive_skips .forward_overflows .stuck
     """
 
-    __slots__ = ("_arrays", "_settings")
+    kind = "abstract"
 
-    kind: ClassVar[str]
-    _fields: ClassVar[tuple[field, ...]]
-    _layout: ClassVar[Layout]
-    _setting_decls: ClassVar[tuple[setting, ...]]
-
-    # The counters every state has; the library updates them (`lossscale.update`).
-    skipped_steps = field(jnp.int32)
-    consecutive_skips = field(jnp.int32)
-    forward_overflows = field(jnp.int32)
-    stuck = field(jnp.bool_)
+    skipped_steps: jax.Array = field(dtype=jnp.int32, default=0)
+    consecutive_skips: jax.Array = field(dtype=jnp.int32, default=0)
+    forward_overflows: jax.Array = field(dtype=jnp.int32, default=0)
+    stuck: jax.Array = field(dtype=jnp.bool_, default=False)
 
     def __init_subclass__(cls, *, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._fields, cls._setting_decls = declarations(cls, LossScale)
-        cls._layout = Layout.of(cls._fields)
-        cls.kind = register_kind(cls, kind)
-        # Unflattening must not run `__init__`: leaves may be tracers, shape
-        # structs or other placeholders.
-        jax.tree_util.register_pytree_with_keys(
-            cls, cls._flatten_with_keys, cls._unflatten, cls._flatten
-        )
-
-    def __init__(self, **values: Any):
-        cls = type(self)
-        own = rule_fields(cls)
-        expected = {f.name for f in own} | {s.name for s in cls._setting_decls}
-        if set(values) != expected:
+        if "__init__" in vars(cls):
             raise TypeError(
-                f"`{cls.__name__}.__init__` must pass each of its fields and settings"
-                f" to `LossScale.__init__` once: expected {sorted(expected)}, got"
-                f" {sorted(values)}."
+                f"`{cls.__name__}` defines `__init__`; a kind is a dataclass whose"
+                " constructor takes its fields: give them defaults, check or derive"
+                " values in `__post_init__`, or add a classmethod constructor."
             )
-        arrays = {f.name: jnp.zeros(f.shape, f.dtype) for f in COUNTER_FIELDS}
-        for f in own:
-            arrays[f.name] = f.as_array(values[f.name], cls.__name__, strict=False)
-        settings = [s.checked(values[s.name], cls.__name__) for s in cls._setting_decls]
-        object.__setattr__(self, "_arrays", cls._layout.pack(cls._fields, arrays))
-        object.__setattr__(self, "_settings", tuple(settings))
+        dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
+        _check_class(cls)
+        cls._specs = fields.specs(cls)
+        # The rule's leaves first: checkpoints and `repr` open with `.scale`.
+        arrays = [n for n, s in cls._specs.items() if not s.static]
+        cls._leaves = tuple(n for n in arrays if n not in COUNTERS) + COUNTERS
+        cls._settings = tuple(n for n, s in cls._specs.items() if s.static)
+        cls._get_leaves = staticmethod(_getter(cls._leaves))
+        cls._get_settings = staticmethod(_getter(cls._settings))
+        cls.__init__ = _finishing(cls.__init__)
+        cls.kind = register_kind(cls, kind)
+        # Unflattening skips `__init__`: leaves may be tracers, shape structs,
+        # shardings or other placeholders.
+        jax.tree_util.register_pytree_with_keys(
+            cls, _flatten_with_keys, functools.partial(_unflatten, cls), _flatten
+        )
 
     # -- what a kind defines -----------------------------------------------------
 
-    @property
-    @abc.abstractmethod
-    def scale(self) -> jax.Array:
-        """The current loss scale, a float32 scalar array."""
-
-    @abc.abstractmethod
     def adjust(self, grads_finite: jax.Array) -> LossScale:
         """The kind's rule: this state after a step whose loss was finite.
 
         Called by `lossscale.update`, which also counts the skipped steps; call
-        that, not this. It must be branch-free (it runs under `jax.jit`) and
-        return a state of the same kind and settings, e.g. `self.replace(...)`.
+        that, not this. It runs under `jax.jit` and must return a state of the
+        same kind, settings, dtypes and shapes, e.g. `self.replace(...)`.
 
         Args:
           grads_finite: bool scalar array, whether every gradient was finite (the
             step was applied) or not (it was skipped).
         """
+        raise NotImplementedError(f"`{type(self).__name__}` must define `adjust`.")
 
     @property
     def lowest_scale(self) -> float:
-        """The smallest scale this state can ever have: a static Python float.
-
-        0.0 (the default) means unknown: `stuck` is then set only once the scale
-        is no longer positive, and the finiteness check reads unscaled values in
-        case the scale falls below 1.
-        """
+        """The smallest scale this state can ever have: a static Python float."""
         return 0.0
 
     @property
     def highest_scale(self) -> float:
-        """The largest scale this state can ever have: a static Python float.
-
-        inf (the default) means unknown. Where both bounds are 1 (a no-op scale),
-        losses and gradients pass through untouched.
-        """
+        """The largest scale this state can ever have: a static Python float."""
         return float("inf")
 
     # -- building and reading states ---------------------------------------------
@@ -164,8 +130,8 @@ class LossScale(metaclass=abc.ABCMeta):
         """Returns this state with new values for some array fields.
 
         Args:
-          **values: new values by field name; each takes the field's dtype (a
-            weakly typed Python number is cast) and shape.
+          **values: new values by field name, each of the field's dtype (a weakly
+            typed Python number is cast) and of the current value's shape.
 
         Returns:
           A state of the same kind and settings.
@@ -182,134 +148,216 @@ class LossScale(metaclass=abc.ABCMeta):
           8.0 2000
         """
         cls = type(self)
-        by_name = {f.name: f for f in cls._fields}
-        unknown = set(values) - set(by_name)
+        owner = f"{cls.__name__}.replace"
+        unknown = set(values) - set(cls._leaves)
         if unknown:
             raise TypeError(
-                f"`{cls.__name__}.replace` takes array fields {sorted(by_name)}, got"
+                f"`{owner}` takes array fields {sorted(cls._leaves)}, got"
                 f" {sorted(unknown)}. Settings are static: build a new state to"
                 " change them."
             )
-        arrays = {
-            name: by_name[name].as_array(value, f"{cls.__name__}.replace", strict=True)
-            for name, value in values.items()
-        }
-        for f in cls._fields:
-            if f.name not in arrays:
-                arrays[f.name] = self._read(f)
-        return cls._unflatten(self._settings, cls._layout.pack(cls._fields, arrays))
+        new = object.__new__(cls)
+        new.__dict__.update(self.__dict__)
+        for name, value in values.items():
+            old = self.__dict__[name]
+            new.__dict__[name] = fields.as_array(
+                cls._specs[name],
+                value,
+                owner,
+                name,
+                like=old if hasattr(old, "shape") else None,
+            )
+        return new
 
     def get_config(self) -> dict[str, Any]:
         """Returns the kind and settings as a JSON-serialisable dict (TF's name).
 
-        The arrays (the scale and the counters) are not part of it: save them
-        with the checkpoint, and this dict beside it (see
-        `lossscale.check_config`).
-
-        Returns:
-          `{"kind": ..., **settings}`, with private settings under their public
-          names.
+        The arrays are not part of it: save them with the checkpoint, and this
+        dict beside it (see `lossscale.check_config`).
 
         Examples:
           >>> import lossscale
           >>> print(lossscale.StaticLossScale(1024).get_config())
-          {'kind': 'static', 'scale': 1024.0}
+          {'kind': 'static', 'value': 1024.0}
         """
-        settings = {s.public_name: getattr(self, s.name) for s in self._setting_decls}
-        return {"kind": self.kind, **settings}
+        return {"kind": self.kind, **{n: getattr(self, n) for n in self._settings}}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScale:
         """Returns a fresh state of the kind and settings in `config`.
 
-        `LossScale.from_config` builds any registered kind (a kind defined in
-        your code is registered once its module is imported); a subclass's
-        `from_config` builds that kind only. The settings are passed to the
-        kind's constructor by name, so a kind names its `__init__` arguments
-        after its settings.
-
-        Args:
-          config: a dict from `get_config`.
-
-        Returns:
-          A new state with those settings and the constructor's initial arrays (a
-          dynamic scale starts at 2**15, within its bounds; a restore overwrites
-          the arrays).
+        `LossScale.from_config` builds any registered kind (one defined in your
+        code once its module is imported); a subclass's builds that kind only.
+        Array fields take their defaults: a restore overwrites them.
 
         Raises:
           ValueError: if `config` is not a dict from `get_config` of this kind.
 
         Examples:
           >>> import lossscale
-          >>> state = lossscale.LossScale.from_config({"kind": "static", "scale": 8})
+          >>> state = lossscale.LossScale.from_config({"kind": "static", "value": 8})
           >>> print(type(state).__name__, state.scale)
           StaticLossScale 8.0
         """
         return build(cls, config)
 
-    # -- pytree, pickling, equality, repr ------------------------------------------
-
-    def _read(self, declared: field) -> Any:
-        return type(self)._layout.read(self._arrays, declared)
-
-    def _flatten_with_keys(self):
-        keys = (jax.tree_util.GetAttrKey(n) for n in self._layout.leaf_names())
-        return tuple(zip(keys, self._arrays, strict=True)), self._settings
-
-    def _flatten(self):
-        return self._arrays, self._settings
-
-    @classmethod
-    def _unflatten(cls, settings, arrays):
-        state = object.__new__(cls)
-        object.__setattr__(state, "_arrays", tuple(arrays))
-        object.__setattr__(state, "_settings", settings)
-        return state
-
-    def __reduce__(self):
-        # Pickle and deepcopy through the pytree fields: the default protocol
-        # would set slots with `setattr`, which immutability forbids.
-        return type(self)._unflatten, (self._settings, self._arrays)
-
-    def __setattr__(self, name, value):
-        raise AttributeError(
-            f"`{type(self).__name__}` is immutable; use `state.replace(...)` or"
-            " `lossscale.update` to get another state."
-        )
+    # -- equality and repr -----------------------------------------------------------
 
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, LossScale):
             return NotImplemented
+        a, b = _flatten(self), _flatten(other)
         return (
             type(self) is type(other)
-            and self._settings == other._settings
-            and all(map(_same_value, self._arrays, other._arrays))
+            and a[1] == b[1]
+            and all(map(_same_value, a[0], b[0]))
         )
 
     __hash__ = None  # equal states may hold different buffers
 
     def __repr__(self) -> str:
-        fields = [
-            f"{f.name}={_format_leaf(getattr(self, f.name))}"
-            for f in (*rule_fields(type(self)), *COUNTER_FIELDS)
-        ]
-        settings = [
-            f"{s.public_name}={getattr(self, s.name)!r}" for s in self._setting_decls
-        ]
-        return f"{type(self).__name__}({', '.join(fields + settings)})"
+        cls = type(self)
+        parts = [f"{n}={_format_leaf(getattr(self, n))}" for n in cls._leaves]
+        parts += [f"{n}={getattr(self, n)!r}" for n in cls._settings]
+        return f"{cls.__name__}({', '.join(parts)})"
 
 
-COUNTER_FIELDS = (
-    LossScale.skipped_steps,
-    LossScale.consecutive_skips,
-    LossScale.forward_overflows,
-    LossScale.stuck,
-)
+def _abstract_init(self, **values):
+    raise TypeError(
+        "`LossScale` is the abstract base class of loss-scale kinds: build a kind"
+        " (`DynamicLossScale()`, `StaticLossScale(s)`, `NoOpLossScale()`) or"
+        " subclass it."
+    )
 
 
-def rule_fields(cls: type[LossScale]) -> tuple[field, ...]:
+LossScale.__init__ = _abstract_init
+LossScale._specs = fields.specs(LossScale)
+LossScale._leaves = tuple(LossScale._specs)
+LossScale._settings = ()
+
+COUNTERS = LossScale._leaves
+
+
+def rule_fields(cls: type[LossScale]) -> tuple[str, ...]:
     """The array fields a kind declares (its rule's), without the counters."""
-    return cls._fields[len(COUNTER_FIELDS) :]
+    return tuple(n for n in cls._leaves if n not in COUNTERS)
+
+
+def _check_class(cls: type) -> None:
+    """Refuses, at class creation, what would otherwise fail deep inside JAX."""
+    own = vars(cls).get("__annotations__", {})
+    for name in COUNTERS:
+        if name in own:
+            raise TypeError(
+                f"`{cls.__name__}` declares `{name}`, a counter every state has and"
+                " `lossscale.update` keeps; choose another name."
+            )
+    for f in dataclasses.fields(cls):
+        if fields.METADATA_KEY not in f.metadata:
+            raise TypeError(
+                f"`{cls.__name__}.{f.name}` is a dataclass field without"
+                " `lossscale.field`: declare an array leaf with"
+                " `lossscale.field(dtype=..., default=...)` or a setting with"
+                " `lossscale.field(static=True, default=...)`."
+            )
+        if f.name in _RESERVED:
+            raise TypeError(
+                f"`{cls.__name__}` declares a field `{f.name}`, a name `LossScale`"
+                " uses; choose another name."
+            )
+    spec = fields.specs(cls).get("scale")
+    if spec is not None and (spec.dtype != jnp.float32 or spec.shape != ()):
+        raise TypeError(
+            f"`{cls.__name__}.scale` must be a float32 scalar array, got a field of"
+            f" {spec.dtype} and shape {spec.shape}; the loss is multiplied by it."
+        )
+    if cls.adjust is LossScale.adjust:
+        raise TypeError(f"`{cls.__name__}` must define `adjust(self, grads_finite)`.")
+    if not hasattr(cls, "scale") and "scale" not in {
+        f.name for f in dataclasses.fields(cls)
+    }:
+        raise TypeError(
+            f"`{cls.__name__}` must define `scale`: an array field"
+            " (`scale: jax.Array = lossscale.field(dtype=jnp.float32, ...)`) or a"
+            " property returning a float32 scalar array."
+        )
+
+
+def _finishing(init):
+    """Wraps a kind's dataclass `__init__`: cast the arrays, check the result."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):  # noqa: N807
+        init(self, *args, **kwargs)
+        _finish(self)
+
+    return __init__
+
+
+def _finish(state: LossScale) -> None:
+    cls = type(state)
+    name = cls.__name__
+    for key, spec in cls._specs.items():
+        value = state.__dict__[key]
+        if spec.static:
+            value = fields.checked_setting(value, name, key)
+        elif value is None:
+            raise TypeError(
+                f"`{name}`: array field `{key}` has no value; pass `{key}=...` or give"
+                " it a default."
+            )
+        else:
+            value = fields.as_array(spec, value, name, key)
+        object.__setattr__(state, key, value)
+    scale = state.scale
+    if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
+        raise TypeError(
+            f"`{name}.scale` must be a float32 scalar array, got"
+            f" {type(scale).__name__}; return `jnp.asarray(x, jnp.float32)`."
+        )
+    batch = jnp.shape(state.skipped_steps)  # leading dims of a stacked state
+    if scale.dtype != jnp.float32 or scale.shape not in ((), batch):
+        raise TypeError(
+            f"`{name}.scale` must be a float32 scalar array, got {scale.dtype}"
+            f" of shape {scale.shape}; the loss is multiplied by it."
+        )
+    for bound in ("lowest_scale", "highest_scale"):
+        value = getattr(state, bound)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(
+                f"`{name}.{bound}` must be a static Python float (it decides what"
+                f" is compiled), got {type(value).__name__}; derive it from"
+                " settings, not from array fields."
+            )
+
+
+def _getter(names: tuple[str, ...]):
+    # `attrgetter` reads in C: flattening runs on every jitted call's dispatch.
+    if not names:
+        return lambda state: ()
+    get = operator.attrgetter(*names)
+    return (lambda state: (get(state),)) if len(names) == 1 else get
+
+
+def _flatten(state: LossScale):
+    cls = type(state)
+    return cls._get_leaves(state), cls._get_settings(state)
+
+
+def _flatten_with_keys(state: LossScale):
+    cls = type(state)
+    keys = map(jax.tree_util.GetAttrKey, cls._leaves)
+    return tuple(zip(keys, cls._get_leaves(state), strict=True)), cls._get_settings(
+        state
+    )
+
+
+def _unflatten(cls: type, settings: tuple, leaves) -> LossScale:
+    state = object.__new__(cls)
+    values = state.__dict__
+    values.update(zip(cls._leaves, leaves, strict=True))
+    values.update(zip(cls._settings, settings, strict=True))
+    return state
 
 
 def _same_value(a: Any, b: Any) -> bool:

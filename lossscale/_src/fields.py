@@ -1,7 +1,8 @@
-"""How a loss-scale kind declares its array fields and its static settings."""
+"""`field`: how a loss-scale kind declares an array leaf or a static setting."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -9,280 +10,191 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The key of a field's spec in `dataclasses.field(metadata=...)`.
+METADATA_KEY = "lossscale"
 
-class field:  # noqa: N801 - used like `dataclasses.field`
-    """Declares an array field of a loss-scale kind: part of its pytree's leaves.
 
-    Use it in the body of a `lossscale.LossScale` subclass. The field holds an
-    array of a fixed dtype and shape (a scalar by default), so a state goes in and
-    out of `jax.jit` without recompiling; read it as an attribute, and get a state
-    with new values from `state.replace(name=value)`.
+class Spec(NamedTuple):
+    """What `field` declared: an array's dtype and shape, or a static setting."""
+
+    dtype: np.dtype | None  # None for a static setting
+    shape: tuple[int, ...]
+
+    @property
+    def static(self) -> bool:
+        return self.dtype is None
+
+
+def field(
+    *,
+    dtype: Any = None,
+    shape: tuple[int, ...] = (),
+    static: bool = False,
+    default: Any = dataclasses.MISSING,
+    kw_only: Any = dataclasses.MISSING,
+) -> Any:
+    """Declares a field of a loss-scale kind: an array leaf or a static setting.
+
+    A kind is a dataclass (see `lossscale.LossScale`); `field` is
+    `dataclasses.field` with what the library needs to know. An array field is a
+    leaf of the state's pytree, named by the field (checkpoints read `.scale`),
+    of a fixed dtype and shape so that a jitted step compiles once; a Python
+    number given for it is cast. A static field (`static=True`) is a setting: a
+    Python value compiled into the step, kept by every pytree round trip and
+    reported by `get_config`, as `flax.struct.field(pytree_node=False)`.
 
     Args:
-      dtype: the field's dtype, e.g. `jnp.float32`, `jnp.int32` or `jnp.bool_`.
-      shape: the field's shape, a tuple of ints; `()` (a scalar) by default.
+      dtype: an array field's dtype (`jnp.float32`, `jnp.int32`, `jnp.bool_`,
+        ...), one JAX keeps as is: int64 and float64 only with `jax_enable_x64`.
+      shape: an array field's shape; `()` by default.
+      static: declare a setting instead: no `dtype` or `shape`; its value is a
+        number, string, bool, None or a tuple of them.
+      default: the value when the constructor is not given one: for an array
+        field a Python number or bool (cast), or None for one `__post_init__`
+        sets; for a setting its value.
+      kw_only: `False` lets the constructor take it by position (the fields are
+        keyword-only by default).
+
+    Returns:
+      A `dataclasses.field`, to assign in the class body.
 
     Raises:
-      TypeError: if `dtype` is not a numeric or boolean dtype, or `shape` is not
-        a tuple of non-negative ints.
+      TypeError: if `dtype` is missing, not numeric or boolean, or not kept by
+        JAX; `shape` is not a tuple of non-negative ints; or a static field
+        gets a `dtype` or `shape`.
 
     Examples:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import lossscale
-      >>> class Halving(lossscale.LossScale):
-      ...     scale = lossscale.field(jnp.float32)
-      ...     def __init__(self, initial_scale=1024.0):
-      ...         super().__init__(scale=initial_scale)
+      >>> class Halving(lossscale.LossScale, kind="doctest.halving"):
+      ...     scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1024.0)
+      ...     floor: float = lossscale.field(static=True, default=1.0)
       ...     def adjust(self, grads_finite):
-      ...         return self.replace(
-      ...             scale=jnp.where(grads_finite, self.scale, self.scale / 2))
-      >>> print(Halving().scale, Halving().scale.dtype)
-      1024.0 float32
+      ...         halved = jnp.maximum(self.scale / 2, self.floor)
+      ...         return self.replace(scale=jnp.where(grads_finite, self.scale, halved))
+      >>> state = Halving(scale=8.0)
+      >>> print(state.scale, state.scale.dtype, state.get_config())
+      8.0 float32 {'kind': 'doctest.halving', 'floor': 1.0}
     """
-
-    def __init__(self, dtype: Any, *, shape: tuple[int, ...] = ()):
-        try:
-            dtype = jnp.dtype(dtype)
-        except TypeError:
+    if static:
+        if dtype is not None or shape != ():
             raise TypeError(
-                "`field`: `dtype` must be a dtype such as `jnp.float32`, got"
-                f" {dtype!r}."
-            ) from None
-        if not (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_):
-            raise TypeError(
-                f"`field`: `dtype` must be numeric or boolean, got {dtype}."
+                "`field`: a static field (a setting) takes no `dtype` or `shape`; got"
+                f" dtype={dtype!r}, shape={shape!r}. Drop them, or drop"
+                " `static=True` for an array field."
             )
-        if not (
-            isinstance(shape, tuple)
-            and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
-            and all(d >= 0 for d in shape)
-        ):
+        spec = Spec(None, ())
+    else:
+        spec = Spec(_checked_dtype(dtype), _checked_shape(shape))
+    if default is not dataclasses.MISSING and not spec.static:
+        if not (default is None or isinstance(default, bool | int | float)):
             raise TypeError(
-                f"`field`: `shape` must be a tuple of non-negative ints, got {shape!r}."
+                "`field`: an array field's `default` must be a Python number or bool"
+                f" (cast to {spec.dtype} and broadcast to {spec.shape}), or None for"
+                f" a value `__post_init__` sets; got {type(default).__name__}."
             )
-        self.dtype = dtype
-        self.shape = shape
-        self.size = int(np.prod(shape, dtype=np.int64))
-        self.name: str | None = None
-        self.index: int | None = None  # its position among the state's fields
+    return dataclasses.field(
+        default=default, kw_only=kw_only, metadata={METADATA_KEY: spec}
+    )
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
 
-    def __get__(self, state: Any, owner: type | None = None) -> Any:
-        if state is None:
-            return self
-        return state._read(self)
-
-    def __set__(self, state: Any, value: Any) -> None:
-        raise AttributeError(
-            f"`{type(state).__name__}` is immutable; use `state.replace("
-            f"{self.name}=...)` or `lossscale.update` to get another state."
+def _checked_dtype(dtype: Any) -> np.dtype:
+    if dtype is None:
+        raise TypeError(
+            "`field`: an array field needs `dtype=`, e.g."
+            " `lossscale.field(dtype=jnp.float32)`; for a static setting pass"
+            " `static=True`."
         )
-
-    def __repr__(self) -> str:
-        return f"field({self.dtype}, shape={self.shape})"
-
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        """The dtype of the leaf that holds it: its own, int32 for a bool."""
-        return jnp.dtype(jnp.int32) if self.dtype == jnp.bool_ else self.dtype
-
-    def as_array(self, value: Any, owner: str, *, strict: bool) -> Any:
-        """`value` as this field's array; `strict` refuses other (non-weak) dtypes.
-
-        Construction converts any number (the constructor's job is to build the
-        arrays); `replace` refuses a dtype other than the field's, which is almost
-        always a mistake in a rule, except for weakly typed Python numbers.
-        """
-        array = jnp.asarray(value)
-        weak = not hasattr(value, "dtype") or getattr(array, "weak_type", False)
-        if array.dtype != self.dtype and strict and not weak:
-            raise TypeError(
-                f"`{owner}`: field `{self.name}` holds {self.dtype}, got a value of"
-                f" dtype {array.dtype}. Cast it (`.astype(jnp.{self.dtype})`) or fix"
-                " the arithmetic that changed its dtype."
-            )
-        if not _fits(array.shape, self.shape):
-            if array.shape != ():
-                raise ValueError(
-                    f"`{owner}`: field `{self.name}` has shape {self.shape}, got a"
-                    f" value of shape {array.shape}."
-                )
-            array = jnp.broadcast_to(array, self.shape)
-        return array.astype(self.dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"`field`: `dtype` must be a dtype such as `jnp.float32`, got {dtype!r}."
+        ) from None
+    if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
+        raise TypeError(f"`field`: `dtype` must be numeric or boolean, got {dtype}.")
+    kept = jax.dtypes.canonicalize_dtype(dtype)
+    if kept != dtype:
+        raise TypeError(
+            f"`field`: JAX stores {dtype} as {kept} while `jax_enable_x64` is off, so"
+            f" the field could never hold {dtype}; declare `dtype=jnp.{kept}`."
+        )
+    return dtype
 
 
-class setting:  # noqa: N801 - used like `dataclasses.field`
-    """Declares a static setting of a loss-scale kind: part of its tree structure.
+def _checked_shape(shape: Any) -> tuple[int, ...]:
+    if not (
+        isinstance(shape, tuple)
+        and all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        )
+    ):
+        raise TypeError(
+            f"`field`: `shape` must be a tuple of non-negative ints, got {shape!r}."
+        )
+    return shape
 
-    Use it in the body of a `lossscale.LossScale` subclass. A setting is a Python
-    value (a number, string, bool, None or a tuple of them), compiled into the
-    train step and kept by every pytree round trip, like Flax's
-    `struct.field(pytree_node=False)`. Two states with other settings have other
-    tree structures. `get_config` reports the settings, and `from_config` passes
-    them back to the constructor by name. A setting named with a leading
-    underscore (`_scale`) is private to the class: its config key drops the
-    underscore (`scale`), so a public property may take the plain name.
 
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import lossscale
-      >>> class Fixed(lossscale.LossScale):
-      ...     _scale = lossscale.setting()
-      ...     def __init__(self, scale=8.0):
-      ...         super().__init__(_scale=float(scale))
-      ...     @property
-      ...     def scale(self):
-      ...         return jnp.asarray(self._scale, jnp.float32)
-      ...     def adjust(self, grads_finite):
-      ...         return self
-      >>> print(Fixed(4.0).get_config()["scale"], Fixed(4.0).scale)
-      4.0 4.0
+def specs(cls: type) -> dict[str, Spec]:
+    """The fields of dataclass `cls` by name, in order, with their specs."""
+    return {
+        f.name: f.metadata[METADATA_KEY]
+        for f in dataclasses.fields(cls)
+        if METADATA_KEY in f.metadata
+    }
+
+
+def as_array(spec: Spec, value: Any, owner: str, name: str, *, like: Any = None) -> Any:
+    """`value` as an array of `spec`'s dtype and shape.
+
+    Construction (no `like`) casts any number and takes a leading batch shape
+    (a state stacked for `pmap`). `replace` passes the current value as `like`:
+    then another non-weak dtype is refused (almost always a bug in a rule), and
+    so is any shape but the current one.
     """
-
-    def __init__(self):
-        self.name: str | None = None
-        self.index: int | None = None  # its position among the state's settings
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @property
-    def public_name(self) -> str:
-        """The name in `get_config` and in the constructor: no leading underscore."""
-        return self.name[1:] if self.name.startswith("_") else self.name
-
-    def __get__(self, state: Any, owner: type | None = None) -> Any:
-        if state is None:
-            return self
-        return state._settings[self.index]
-
-    def __set__(self, state: Any, value: Any) -> None:
-        raise AttributeError(
-            f"`{type(state).__name__}` is immutable, and `{self.name}` is a setting:"
-            " build a new state with the constructor to change it."
-        )
-
-    def __repr__(self) -> str:
-        return f"setting(name={self.name!r})"
-
-    def checked(self, value: Any, owner: str) -> Any:
-        """`value`, after checking that it can be part of a tree structure."""
-        if isinstance(value, np.ndarray | np.generic | jax.Array):
-            raise TypeError(
-                f"`{owner}`: setting `{self.name}` must be a Python value, got"
-                f" {type(value).__name__}; settings are static (use `float(x)` or"
-                " `int(x)`), and state that changes is a `lossscale.field`."
-            )
-        try:
-            hash(value)
-        except TypeError:
-            raise TypeError(
-                f"`{owner}`: setting `{self.name}` must be hashable (a number,"
-                f" string, bool, None or a tuple of them), got {type(value).__name__}."
-            ) from None
+    if isinstance(value, jax.ShapeDtypeStruct):
         return value
-
-
-class Layout(NamedTuple):
-    """Where each field lives: the leaves hold the fields packed by dtype.
-
-    A state has one 1-D leaf per storage dtype (int32 holds int32 and bool
-    fields), with the fields in declaration order: a dynamic loss scale is two
-    leaves, not seven (design.md, "States").
-    """
-
-    dtypes: tuple[jnp.dtype, ...]  # of each leaf
-    slots: dict[str, tuple[int, int]]  # field name -> (leaf, offset)
-
-    @classmethod
-    def of(cls, fields: tuple[field, ...]) -> Layout:
-        """The layout of `fields`, in order."""
-        dtypes: list[jnp.dtype] = []
-        sizes: list[int] = []
-        slots = {}
-        for declared in fields:
-            dtype = declared.storage_dtype
-            if dtype not in dtypes:
-                dtypes.append(dtype)
-                sizes.append(0)
-            leaf = dtypes.index(dtype)
-            slots[declared.name] = (leaf, sizes[leaf])
-            sizes[leaf] += declared.size
-        return cls(tuple(dtypes), slots)
-
-    def leaf_names(self) -> tuple[str, ...]:
-        """Key names of the leaves: `int32_fields`, `float32_fields`, ..."""
-        return tuple(f"{dtype}_fields" for dtype in self.dtypes)
-
-    def pack(self, fields: tuple[field, ...], values: dict[str, Any]) -> tuple:
-        """The leaves holding `values` (arrays of each field's dtype and shape)."""
-        parts: list[list[Any]] = [[] for _ in self.dtypes]
-        for declared in fields:
-            value = values[declared.name]
-            leaf = self.slots[declared.name][0]
-            flat = value.astype(declared.storage_dtype)
-            batch = flat.shape[: flat.ndim - len(declared.shape)]
-            parts[leaf].append(flat.reshape(batch + (declared.size,)))
-        return tuple(
-            jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
-            for pieces in parts
+    array = jnp.asarray(value)
+    if like is not None:
+        weak = not hasattr(value, "dtype") or getattr(array, "weak_type", False)
+        if array.dtype != spec.dtype and not weak:
+            raise TypeError(
+                f"`{owner}`: field `{name}` holds {spec.dtype}, got a value of dtype"
+                f" {array.dtype}. Cast it (`.astype(jnp.{spec.dtype})`) or fix the"
+                " arithmetic that changed its dtype."
+            )
+        target = tuple(like.shape)
+    else:
+        ndim = len(spec.shape)
+        trailing = (
+            tuple(array.shape[array.ndim - ndim :]) if array.ndim >= ndim else None
         )
-
-    def read(self, leaves: tuple, declared: field) -> Any:
-        """The value of field `declared`, from the leaves."""
-        index, offset = self.slots[declared.name]
-        leaf = leaves[index]
-        if not hasattr(leaf, "shape"):  # a sentinel some transformation put there
-            return leaf
-        batch = tuple(leaf.shape[:-1])
-        if not hasattr(leaf, "__getitem__"):  # a shape struct from `eval_shape`
-            return jax.ShapeDtypeStruct(batch + declared.shape, declared.dtype)
-        if declared.shape == ():
-            value = leaf[..., offset]
-        else:
-            value = leaf[..., offset : offset + declared.size]
-            value = value.reshape(batch + declared.shape)
-        return value != 0 if declared.dtype == jnp.bool_ else value
+        target = tuple(array.shape) if trailing == spec.shape else spec.shape
+    if array.shape not in (target, ()):
+        raise ValueError(
+            f"`{owner}`: field `{name}` has shape {target}, got a value of shape"
+            f" {array.shape}; a rule must keep each field's shape."
+        )
+    return jnp.broadcast_to(array, target).astype(spec.dtype)
 
 
-def declarations(
-    cls: type, base: type
-) -> tuple[tuple[field, ...], tuple[setting, ...]]:
-    """The fields and settings of `cls`, `base`'s first, in declaration order."""
-    fields: dict[str, field] = {}
-    settings: dict[str, setting] = {}
-    for klass in reversed(cls.__mro__):
-        if not issubclass(klass, base):
-            continue
-        for name, value in vars(klass).items():
-            if not isinstance(value, field | setting):
-                continue
-            if name in fields or name in settings:
-                raise TypeError(
-                    f"`{cls.__name__}` declares `{name}` again; a kind keeps the"
-                    " fields and settings of the kinds it extends."
-                )
-            (fields if isinstance(value, field) else settings)[name] = value
-    for name, declared in (*fields.items(), *settings.items()):
-        if getattr(cls, name) is not declared:
-            raise TypeError(f"`{cls.__name__}` hides its field or setting `{name}`.")
-    if "kind" in fields or "kind" in settings:
-        raise TypeError(f"`{cls.__name__}`: `kind` is the kind's name, not a field.")
-    for group in (fields.values(), settings.values()):
-        for index, declared in enumerate(group):
-            if declared.index not in (None, index):
-                raise TypeError(
-                    f"`{cls.__name__}` reorders the fields of a kind it extends"
-                    " (multiple inheritance); extend one kind only."
-                )
-            declared.index = index
-    return tuple(fields.values()), tuple(settings.values())
-
-
-def _fits(shape: tuple[int, ...], field_shape: tuple[int, ...]) -> bool:
-    # Trailing dimensions: a state stacked by `pmap` or `vmap` has leading ones.
-    return len(shape) >= len(field_shape) and tuple(
-        shape[len(shape) - len(field_shape) :]
-    ) == tuple(field_shape)
+def checked_setting(value: Any, owner: str, name: str) -> Any:
+    """`value`, if it can be a static setting; JSON's lists become tuples."""
+    if isinstance(value, list):
+        value = tuple(value)
+    if isinstance(value, tuple):
+        return tuple(checked_setting(v, owner, name) for v in value)
+    if isinstance(value, np.ndarray | np.generic | jax.Array):
+        raise TypeError(
+            f"`{owner}`: setting `{name}` must be a Python value, got"
+            f" {type(value).__name__}; settings are static (use `float(x)` or"
+            " `int(x)`), and state that changes is an array field"
+            " (`lossscale.field(dtype=...)`)."
+        )
+    if not (value is None or isinstance(value, bool | int | float | str)):
+        raise TypeError(
+            f"`{owner}`: setting `{name}` must be a number, string, bool, None or a"
+            f" tuple of them (it is compiled into the step and saved as JSON), got"
+            f" {type(value).__name__}."
+        )
+    return value

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from lossscale._src import checks
 from lossscale._src.base import LossScale
 from lossscale._src.fields import field
-from lossscale._src.fields import setting
 
 
 class NoOpLossScale(LossScale, kind="none"):
@@ -32,12 +31,8 @@ class NoOpLossScale(LossScale, kind="none"):
       1.0
     """
 
-    __slots__ = ()
     lowest_scale = 1.0
     highest_scale = 1.0
-
-    def __init__(self):
-        super().__init__()
 
     @property
     def scale(self) -> jax.Array:
@@ -52,46 +47,40 @@ class StaticLossScale(LossScale, kind="static"):
 
     The scale is a static setting (not a leaf): it is compiled into the train step
     and never changes. Where a state is created, a number `s` means
-    `StaticLossScale(s)` (TF's `FixedLossScale`).
-
-    Unlike TF's `FixedLossScale`, which applies non-finite gradients, lossscale
-    skips a step whose gradients are not finite with every kind of loss scale:
-    with a fixed scale there is nothing to recover from an update with infinities
-    in it.
+    `StaticLossScale(s)` (TF's `FixedLossScale`). Unlike TF's, a step whose
+    gradients are not finite is skipped, as with every kind.
 
     Args:
-      scale: the loss scale, a finite number > 0 (positive and finite in float32).
+      value: the loss scale, a number > 0 (positive and finite in float32).
 
     Raises:
-      TypeError: if `scale` is not a real number.
-      ValueError: if `scale` is not positive and finite.
+      TypeError: if `value` is not a real number.
+      ValueError: if `value` is not positive and finite.
 
     Examples:
       >>> import lossscale
       >>> loss_scale = lossscale.StaticLossScale(1024)
-      >>> print(loss_scale.scale)
-      1024.0
+      >>> print(loss_scale.scale, loss_scale.value)
+      1024.0 1024.0
     """
 
-    __slots__ = ()
-    _scale = setting()
+    value: float = field(static=True, kw_only=False)
 
-    def __init__(self, scale: float):
-        super().__init__(
-            _scale=checks.positive_float32("scale", scale, "StaticLossScale")
-        )
+    def __post_init__(self):
+        value = checks.positive_float32("value", self.value, "StaticLossScale")
+        object.__setattr__(self, "value", value)
 
     @property
     def scale(self) -> jax.Array:
-        return jnp.asarray(self._scale, jnp.float32)
+        return jnp.asarray(self.value, jnp.float32)
 
     @property
     def lowest_scale(self) -> float:
-        return self._scale
+        return self.value
 
     @property
     def highest_scale(self) -> float:
-        return self._scale
+        return self.value
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         return self
@@ -103,40 +92,32 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     The rule (with `hysteresis=1` it is TF/Keras' `DynamicLossScale`):
 
     * finite step: `counter += 1`; when `counter` reaches `growth_interval`,
-      `scale = min(scale * growth_factor, max_scale)` and `counter = 0`: the scale
-      grows on the `growth_interval`-th consecutive finite step.
+      `scale = min(scale * growth_factor, max_scale)` and `counter = 0`.
     * non-finite step (the update is skipped): `counter = 0`, and once `hysteresis`
       non-finite steps have happened since the last growth, every further one backs
       off, `scale = max(scale * backoff_factor, min_scale)` (Megatron-LM's
       hysteresis).
     * non-finite loss (a forward overflow, reported with `lossscale.update`'s
-      `loss_finite`): the update is skipped and counted, but the scale, `counter`
-      and `overflows_since_growth` stay as they are: the scale did not cause it.
+      `loss_finite`): skipped and counted, but the rule's fields stay as they are.
 
-    The scale stays within `[min_scale, max_scale]`: it never becomes 0, inf or NaN.
-    The rule computes in float32, and float settings are kept (and shown) as the
-    float32 values it uses: `backoff_factor=0.7` reads back as 0.699999988.
+    The scale stays within `[min_scale, max_scale]`. Float settings are kept as the
+    float32 values the rule uses: `backoff_factor=0.7` reads back as 0.699999988.
 
     Args:
-      initial_scale: the first scale, within `[min_scale, max_scale]`; by default
-        2**15 (TF/Keras' default), moved into `[min_scale, max_scale]`.
-      growth_interval: number of consecutive finite steps after which the scale
-        grows (TF's `dynamic_growth_steps`, `increment_period`); an int >= 1.
+      scale: the current (first) scale, within `[min_scale, max_scale]`; by
+        default 2**15 (TF/Keras' default), moved into `[min_scale, max_scale]`.
+      counter: consecutive finite steps since the scale last grew or since the
+        last non-finite step; 0.
+      overflows_since_growth: non-finite steps since the last growth, capped at
+        `hysteresis`; 0.
+      growth_interval: consecutive finite steps after which the scale grows (TF's
+        `dynamic_growth_steps`); an int >= 1.
       growth_factor: factor applied on growth; > 1.
       backoff_factor: factor applied on backing off; in (0, 1).
       min_scale: the lowest scale; > 0.
       max_scale: the highest scale; finite in float32 and >= `min_scale`.
-      hysteresis: number of non-finite steps since the last growth before the scale
-        backs off; an int >= 1.
-
-    Attributes:
-      scale: float32 scalar array, the current loss scale.
-      counter: int32 scalar array, consecutive finite steps since the scale last
-        grew or since the last non-finite step.
-      overflows_since_growth: int32 scalar array, non-finite steps since the last
-        growth, capped at `hysteresis`.
-      skipped_steps, consecutive_skips, forward_overflows, stuck: the counters
-        every state has (see `lossscale.LossScale`).
+      hysteresis: non-finite steps since the last growth before the scale backs
+        off; an int >= 1.
 
     Raises:
       TypeError: if a setting has the wrong type.
@@ -145,8 +126,7 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     Examples:
       >>> import jax.numpy as jnp
       >>> import lossscale
-      >>> loss_scale = lossscale.DynamicLossScale(initial_scale=8.0,
-      ...                                         growth_interval=2)
+      >>> loss_scale = lossscale.DynamicLossScale(scale=8.0, growth_interval=2)
       >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale)  # backed off
       4.0
@@ -156,70 +136,51 @@ class DynamicLossScale(LossScale, kind="dynamic"):
       8.0
     """
 
-    __slots__ = ()
-    scale = field(jnp.float32)
-    counter = field(jnp.int32)
-    overflows_since_growth = field(jnp.int32)
-    growth_interval = setting()
-    growth_factor = setting()
-    backoff_factor = setting()
-    min_scale = setting()
-    max_scale = setting()
-    hysteresis = setting()
+    scale: jax.Array = field(dtype=jnp.float32, default=None, kw_only=False)
+    counter: jax.Array = field(dtype=jnp.int32, default=0)
+    overflows_since_growth: jax.Array = field(dtype=jnp.int32, default=0)
+    growth_interval: int = field(static=True, default=2000)
+    growth_factor: float = field(static=True, default=2.0)
+    backoff_factor: float = field(static=True, default=0.5)
+    min_scale: float = field(static=True, default=1.0)
+    max_scale: float = field(static=True, default=2.0**24)
+    hysteresis: int = field(static=True, default=1)
 
-    def __init__(
-        self,
-        initial_scale: float | None = None,
-        growth_interval: int = 2000,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        hysteresis: int = 1,
-    ):
+    def __post_init__(self):
         owner = "DynamicLossScale"
-        min_scale = checks.positive_float32("min_scale", min_scale, owner)
-        max_scale = checks.positive_float32("max_scale", max_scale, owner)
-        growth_factor = checks.positive_float32("growth_factor", growth_factor, owner)
-        backoff_factor = checks.positive_float32(
-            "backoff_factor", backoff_factor, owner
-        )
-        if growth_factor <= 1.0:
+        settings = {
+            name: checks.positive_float32(name, getattr(self, name), owner)
+            for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")
+        }
+        for name in ("growth_interval", "hysteresis"):
+            settings[name] = checks.positive_int32(name, getattr(self, name), owner)
+        if settings["growth_factor"] <= 1.0:
             raise ValueError(
                 f"`{owner}`: `growth_factor` must be > 1 (in float32), got"
-                f" {growth_factor!r}."
+                f" {settings['growth_factor']!r}."
             )
-        if backoff_factor >= 1.0:
+        if settings["backoff_factor"] >= 1.0:
             raise ValueError(
                 f"`{owner}`: `backoff_factor` must be in (0, 1) (in float32), got"
-                f" {backoff_factor!r}."
+                f" {settings['backoff_factor']!r}."
             )
-        if min_scale > max_scale:
+        low, high = settings["min_scale"], settings["max_scale"]
+        if low > high:
             raise ValueError(
-                f"`{owner}`: `min_scale` ({min_scale!r}) must be <= `max_scale`"
-                f" ({max_scale!r})."
+                f"`{owner}`: `min_scale` ({low!r}) must be <= `max_scale` ({high!r})."
             )
-        if initial_scale is None:
-            initial_scale = min(max(2.0**15, min_scale), max_scale)
-        initial_scale = checks.positive_float32("initial_scale", initial_scale, owner)
-        if not min_scale <= initial_scale <= max_scale:
-            raise ValueError(
-                f"`{owner}`: `initial_scale` ({initial_scale!r}) must be within"
-                f" [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]."
-            )
-        super().__init__(
-            scale=initial_scale,
-            counter=0,
-            overflows_since_growth=0,
-            growth_interval=checks.positive_int32(
-                "growth_interval", growth_interval, owner
-            ),
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=checks.positive_int32("hysteresis", hysteresis, owner),
-        )
+        scale = self.scale
+        if scale is None:
+            scale = min(max(2.0**15, low), high)
+        if not isinstance(scale, jax.Array):  # arrays: cast, possibly traced
+            scale = checks.positive_float32("scale", scale, owner)
+            if not low <= scale <= high:
+                raise ValueError(
+                    f"`{owner}`: `scale` ({scale!r}) must be within [min_scale,"
+                    f" max_scale] = [{low!r}, {high!r}]."
+                )
+        for name, value in {**settings, "scale": scale}.items():
+            object.__setattr__(self, name, value)
 
     @property
     def lowest_scale(self) -> float:

@@ -62,7 +62,12 @@ def finite_after_unscaling(
     """
     if state.lowest_scale < 1.0:
         return all_finite_leaves(_quotient_leaves(grads, state, params))
-    return all_finite_leaves(jax.tree.leaves(grads))
+    finite = all_finite_leaves(jax.tree.leaves(grads))
+    if state.lowest_scale == state.highest_scale:  # a constant, checked when built
+        return finite
+    # A rule that breaks its own `lowest_scale` (a scale of 0) would put 0 * inf
+    # into the parameters: one scalar keeps that step out.
+    return finite & jnp.isfinite(reciprocal(state))
 
 
 def norm_after_unscaling(grads: Any, state: LossScale, params: Any = None) -> jax.Array:

@@ -6,6 +6,8 @@ from typing import Any
 
 # Kind name -> class.
 _KINDS: dict[str, type] = {}
+# Names of kinds defined in a function without `kind=`: not buildable by name.
+_LOCAL: set[str] = set()
 
 
 def register_kind(cls: type, kind: str | None) -> str:
@@ -13,6 +15,10 @@ def register_kind(cls: type, kind: str | None) -> str:
     name = kind if kind is not None else f"{cls.__module__}.{cls.__qualname__}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
+    if kind is None and "<locals>" in name:
+        # Classes made by one function share a name: none can own it.
+        _LOCAL.add(name)
+        return name
     known = _KINDS.get(name)
     if known is not None and (known.__module__, known.__qualname__) != (
         cls.__module__,
@@ -41,6 +47,13 @@ def known_kinds() -> list[str]:
 def build(cls: type, config: Any) -> Any:
     """`cls.from_config(config)`: a fresh state of the kind and settings in it."""
     target = kind_named(config.get("kind") if isinstance(config, dict) else None)
+    if target is None and isinstance(config, dict) and config.get("kind") in _LOCAL:
+        raise ValueError(
+            f"The kind {config['kind']!r} was defined inside a function, where"
+            " every call makes another class of the same name, so the name does"
+            " not say which to build. Name it: `class ...(lossscale.LossScale,"
+            " kind='my_kind')`."
+        )
     if target is None:
         raise ValueError(
             "`config` must be a dict from `get_config()`, whose 'kind' is one of"
@@ -54,7 +67,7 @@ def build(cls: type, config: Any) -> Any:
             " `lossscale.LossScale.from_config` to build any kind."
         )
     settings = {key: value for key, value in config.items() if key != "kind"}
-    expected = {s.public_name for s in target._setting_decls}
+    expected = set(target._settings)
     if set(settings) != expected:
         raise ValueError(
             f"`config` of kind {config['kind']!r} must have the settings"

@@ -44,7 +44,7 @@ def update(
     Examples:
       >>> import jax.numpy as jnp
       >>> import lossscale
-      >>> loss_scale = lossscale.DynamicLossScale(initial_scale=2.0**15)
+      >>> loss_scale = lossscale.DynamicLossScale(scale=2.0**15)
       >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale, loss_scale.skipped_steps)
       16384.0 1
@@ -63,7 +63,7 @@ def update(
     # A forward overflow keeps the rule's fields: the scale did not cause it.
     rule_fields = {
         name: jnp.where(loss_finite, getattr(adjusted, name), getattr(loss_scale, name))
-        for name in (f.name for f in base.rule_fields(type(loss_scale)))
+        for name in base.rule_fields(type(loss_scale))
     }
     return loss_scale.replace(
         **rule_fields,
@@ -82,7 +82,8 @@ def update(
             loss_scale.forward_overflows,
             optax.safe_increment(loss_scale.forward_overflows),
         ),
-        stuck=backward_overflow & (loss_scale.scale <= loss_scale.lowest_scale),
+        # `~(scale > lowest)`, not `scale <= lowest`: a NaN scale is stuck too.
+        stuck=backward_overflow & ~(loss_scale.scale > loss_scale.lowest_scale),
     )
 
 
@@ -100,4 +101,13 @@ def _adjusted(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
             f"`{kind}.adjust` returned a state with other settings; it must keep"
             " them (return `self.replace(...)`)."
         )
+    for name in base.rule_fields(type(loss_scale)):
+        old, new = getattr(loss_scale, name), getattr(adjusted, name)
+        if (jnp.shape(new), jnp.result_type(new)) != (jnp.shape(old), old.dtype):
+            raise TypeError(
+                f"`{kind}.adjust` changed field `{name}` from {old.dtype}"
+                f"{list(jnp.shape(old))} to {jnp.result_type(new)}"
+                f"{list(jnp.shape(new))}; a rule must keep each field's dtype and"
+                " shape (the state is compiled into the step)."
+            )
     return adjusted

@@ -1,0 +1,133 @@
+"""Restoring a lossscale 0.2 checkpoint: its states' fields were packed by dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale._src.base import COUNTERS
+from lossscale._src.base import LossScale
+from lossscale._src.registry import build
+from lossscale._src.registry import kind_named
+from lossscale._src.registry import known_kinds
+
+
+def checkpoint_0_2_layout(config: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+    """The arrays a lossscale 0.2 checkpoint holds for a loss-scale state.
+
+    0.2 packed a state's fields into one 1-D array per dtype (`int32_fields`
+    held the counters, the int32 fields and the bools; `float32_fields` the
+    float32 ones). Put this dict where the state's abstract tree goes in the
+    restore target, restore, and pass what comes back to `from_checkpoint_0_2`.
+
+    Args:
+      config: the state's `get_config()` as 0.2 saved it.
+
+    Returns:
+      `{"int32_fields": ShapeDtypeStruct, ...}`, as 0.2 named its leaves.
+
+    Examples:
+      >>> import lossscale
+      >>> print(lossscale.checkpoint_0_2_layout({"kind": "dynamic"}))
+      {'int32_fields': ShapeDtypeStruct(shape=(6,), dtype=int32),
+       'float32_fields': ShapeDtypeStruct(shape=(1,), dtype=float32)}
+    """
+    return {
+        name: jax.ShapeDtypeStruct((sum(size for _, size in slots),), dtype)
+        for name, (dtype, slots) in _layout(_kind(config)).items()
+    }
+
+
+def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> LossScale:
+    """The state a lossscale 0.2 checkpoint holds, from its packed arrays.
+
+    Args:
+      arrays: the restored arrays, by the names `checkpoint_0_2_layout` gives.
+      config: the state's `get_config()` as 0.2 saved it (a static scale's
+        `"scale"` is now `"value"`; both are read).
+
+    Returns:
+      The state, of the kind and settings in `config`, with every field and
+      counter as 0.2 had it.
+
+    Raises:
+      ValueError: if `config` names no known kind, or `arrays` do not have the
+        names and shapes of that kind's 0.2 layout.
+
+    Examples:
+      >>> import numpy as np
+      >>> import lossscale
+      >>> state = lossscale.from_checkpoint_0_2(
+      ...     {"int32_fields": np.array([2, 0, 0, 0, 1, 2]),
+      ...      "float32_fields": np.array([512.0])},
+      ...     {"kind": "dynamic", "growth_interval": 3, "growth_factor": 2.0,
+      ...      "backoff_factor": 0.5, "min_scale": 1.0, "max_scale": 2.0**24,
+      ...      "hysteresis": 2})
+      >>> print(state.scale, state.counter, state.skipped_steps, state.hysteresis)
+      512.0 1 2 2
+    """
+    config = _upgraded(config)
+    layout = _layout(_kind(config))
+    if not isinstance(arrays, Mapping) or set(arrays) != set(layout):
+        got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
+        raise ValueError(
+            f"`arrays` must hold the 0.2 arrays {sorted(layout)} of a"
+            f" {config['kind']!r} state, got {got}; restore with"
+            " `checkpoint_0_2_layout(config)` as the target."
+        )
+    state = build(LossScale, config)
+    values = {}
+    for name, (_dtype, slots) in layout.items():
+        packed = jnp.asarray(arrays[name])
+        total = sum(size for _, size in slots)
+        if packed.shape[-1:] != (total,):
+            raise ValueError(
+                f"`arrays[{name!r}]` must have {total} elements (the 0.2 layout of"
+                f" {config['kind']!r}), got shape {packed.shape}."
+            )
+        offset = 0
+        for field, size in slots:
+            shape = type(state)._specs[field].shape
+            value = packed[..., offset : offset + size]
+            values[field] = value.reshape(packed.shape[:-1] + shape)
+            offset += size
+    kind = type(state)
+    leaves = [values[n].astype(kind._specs[n].dtype) for n in kind._leaves]
+    return jax.tree.unflatten(jax.tree.structure(state), leaves)
+
+
+def _upgraded(config: Any) -> Any:
+    # 0.2 named a static scale's setting `scale`; 0.3 calls it `value`.
+    if (
+        isinstance(config, dict)
+        and config.get("kind") == "static"
+        and "scale" in config
+    ):
+        config = {"kind": "static", "value": config["scale"]}
+    return config
+
+
+def _kind(config: Any) -> type[LossScale]:
+    kind = kind_named(config.get("kind") if isinstance(config, dict) else None)
+    if kind is None:
+        raise ValueError(
+            "`config` must be a loss-scale config saved by 0.2, whose 'kind' is one"
+            f" of {known_kinds()}; got {config!r}."
+        )
+    return kind
+
+
+def _layout(kind: type[LossScale]) -> dict[str, tuple[np.dtype, list]]:
+    """0.2's leaves: name -> (dtype, [(field, size), ...]), as 0.2 packed them."""
+    order = list(COUNTERS) + [n for n in kind._leaves if n not in COUNTERS]
+    layout: dict[str, tuple[np.dtype, list]] = {}
+    for name in order:
+        spec = kind._specs[name]
+        dtype = np.dtype(np.int32) if spec.dtype == np.bool_ else spec.dtype
+        size = int(np.prod(spec.shape, dtype=np.int64))
+        layout.setdefault(f"{dtype}_fields", (dtype, []))[1].append((name, size))
+    return layout

@@ -1,0 +1,106 @@
+"""A lossscale 0.2 checkpoint (`data/checkpoint_0_2`, written by 0.2 with
+`data/make_checkpoint_0_2.py`) restores into 0.3 states, field by field."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import lossscale
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+with open(os.path.join(DATA, "checkpoint_0_2_expected.json")) as f:
+    EXPECTED = json.load(f)
+
+
+def restore_0_2(directory):
+    """The checkpoint guide's recipe for a 0.2 checkpoint."""
+    with ocp.CheckpointManager(directory) as manager:
+        configs = manager.restore(
+            7,
+            args=ocp.args.Composite(
+                dynamic_config=ocp.args.JsonRestore(),
+                static_config=ocp.args.JsonRestore(),
+            ),
+        )
+        tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale())
+        params = {"w": jnp.zeros((2, 3))}
+        opt_state = tx.init(params)
+        # The 0.2 arrays stand where each loss-scale state goes in the target.
+        target = {
+            "params": params,
+            "opt_state": opt_state._replace(
+                loss_scale=lossscale.checkpoint_0_2_layout(configs.dynamic_config)
+            ),
+            "static": lossscale.checkpoint_0_2_layout(configs.static_config),
+        }
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        restored = manager.restore(
+            7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        ).state
+    dynamic = lossscale.from_checkpoint_0_2(
+        restored["opt_state"].loss_scale, configs.dynamic_config
+    )
+    static = lossscale.from_checkpoint_0_2(restored["static"], configs.static_config)
+    return restored, dynamic, static, configs
+
+
+def test_a_0_2_checkpoint_restores_every_field(tmp_path):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_2"), directory)
+    restored, dynamic, static, configs = restore_0_2(directory)
+    assert isinstance(dynamic, lossscale.DynamicLossScale)
+    assert isinstance(static, lossscale.StaticLossScale)
+    for state, expected in [
+        (dynamic, EXPECTED["dynamic"]),
+        (static, EXPECTED["static"]),
+    ]:
+        for name, value in expected.items():
+            assert np.asarray(getattr(state, name)).tolist() == value, name
+            assert getattr(state, name).dtype == type(state)._specs[name].dtype
+    assert dynamic.get_config() == configs.dynamic_config
+    assert (dynamic.growth_interval, dynamic.hysteresis) == (3, 2)
+    assert static.value == configs.static_config["scale"] == 256.0
+    np.testing.assert_array_equal(restored["params"]["w"], EXPECTED["params"])
+
+
+def test_a_restored_0_2_state_trains_on():
+    tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale())
+    # As restored, the state goes back into the optimizer state and steps on:
+    # one more finite step makes 2 in a row, the next the 3rd: the scale grows.
+    restored = lossscale.from_checkpoint_0_2(
+        {
+            "int32_fields": np.array([2, 0, 0, 0, 1, 2], np.int32),
+            "float32_fields": np.array([512.0], np.float32),
+        },
+        {**lossscale.DynamicLossScale(growth_interval=3, hysteresis=2).get_config()},
+    )
+    params = {"w": jnp.ones(3)}
+    opt_state = tx.init(params)._replace(loss_scale=restored)
+    step = jax.jit(tx.update)
+    for _ in range(2):
+        _, opt_state = step({"w": jnp.ones(3)}, opt_state, params)
+    assert float(opt_state.loss_scale.scale) == 1024.0
+
+
+@pytest.mark.parametrize(
+    "arrays, config, match",
+    [
+        ({}, {"kind": "nope"}, "'kind' is one of"),
+        ({"int32_fields": np.zeros(6)}, {"kind": "dynamic"}, "float32_fields"),
+        (
+            {"int32_fields": np.zeros(5), "float32_fields": np.zeros(1)},
+            lossscale.DynamicLossScale().get_config(),
+            "must have 6 elements",
+        ),
+    ],
+)
+def test_arrays_of_another_layout_are_refused(arrays, config, match):
+    with pytest.raises(ValueError, match=match):
+        lossscale.from_checkpoint_0_2(arrays, config)
