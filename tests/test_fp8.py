@@ -213,6 +213,58 @@ def test_apply_gradients_says_how_to_build_the_optimizer_state():
         )
 
 
+def _grads_with_history(shape):
+    params = variables()
+    grads = jax.tree.map(jnp.zeros_like, params)
+    ops = grads[OWG]["Dense_0"]["Fp8DotGeneralOp_0"]
+    ops["input_amax_history"] = jnp.ones(shape)
+    return params, grads
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [((1,), r"shape \(1,\), the variable has shape \(1024,\)"), ((4, 1024), "4, 1024")],
+)
+def test_new_fp8_values_of_another_shape_are_refused(shape, match):
+    # A (1,) value for a (1024,) history would be broadcast into all of it.
+    params, grads = _grads_with_history(shape)
+    tx = optax.sgd(0.1)
+    where = r"_overwrite_with_gradient\['Dense_0'\]\['Fp8DotGeneralOp_0'\]"
+    with pytest.raises(ValueError, match=f"{where}.*{match}"):
+        lossscale.apply_gradients(
+            tx,
+            grads=grads,
+            params=params,
+            opt_state=tx.init({"params": params["params"]}),
+            loss_scale=lossscale.NoOpLossScale(),
+        )
+    wrapped = lossscale.wrap(tx, None)
+    with pytest.raises(ValueError, match=match):
+        wrapped.update(grads, wrapped.init(params), params)
+
+
+def test_multisteps_around_wrap_with_fp8_is_refused_and_says_what_to_do():
+    params = variables()
+    tx = optax.MultiSteps(lossscale.wrap(optax.sgd(0.1)), every_k_schedule=2)
+    opt_state = tx.init(params)
+    with pytest.raises(ValueError, match=r"lossscale.wrap\(optax.MultiSteps\(inner"):
+        lossscale.scale_loss(jnp.float32(1.0), opt_state)
+    with pytest.raises(ValueError, match="averaging the scales"):
+        lossscale.get_loss_scale(opt_state)
+    # Without fp8 variables the order is fine, and the state is found.
+    plain = tx.init({"params": params["params"]})
+    assert float(lossscale.get_loss_scale(plain).scale) == 2.0**15
+
+
+def test_unscale_grads_leaves_the_fp8_collection_alone():
+    params = variables()
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 8.0), params)
+    unscaled = lossscale.unscale_grads(grads, lossscale.StaticLossScale(8.0))
+    assert bitwise_equal(unscaled[OWG], grads[OWG])
+    for leaf in jax.tree.leaves(unscaled["params"]):
+        np.testing.assert_array_equal(leaf, 1.0)
+
+
 def test_under_accumulation_metadata_combine_with_max_until_the_optimizer_steps():
     params = variables()
     tx = lossscale.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), None)

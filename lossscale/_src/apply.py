@@ -8,8 +8,8 @@ import jax
 import optax
 
 from lossscale._src import checks
+from lossscale._src import fp8
 from lossscale._src import lookup
-from lossscale._src import overwrite
 from lossscale._src import step
 from lossscale._src.base import LossScale
 
@@ -109,15 +109,15 @@ def apply_gradients(
         )
     options = checks.step_options(axis_name, clip_norm)
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
-    trainable, fp8_metadata = overwrite.split(params, "params")
-    if fp8_metadata is not None and jax.tree.structure(
+    trainable = fp8.trainable(params)
+    if trainable is not params and jax.tree.structure(
         jax.eval_shape(tx.init, trainable)
     ) != jax.tree.structure(opt_state):
         raise ValueError(
-            f"`params` holds Flax's fp8 `{overwrite.OVERWRITE}` collection, which"
+            f"`params` holds Flax's fp8 `{fp8.OVERWRITE}` collection, which"
             " no optimizer sees: build `opt_state` with `tx.init` of the other"
             " collections, e.g. `tx.init({k: v for k, v in params.items() if k !="
-            f" '{overwrite.OVERWRITE}'}})`."
+            f" '{fp8.OVERWRITE}'}})`."
         )
     if value is not None:
         extra_args["value"] = value
@@ -140,24 +140,23 @@ def apply_or_skip(
     if extra_args:
         tx = optax.with_extra_args_support(tx)
 
-    def optimizer_step(grads, new_overwrite, carry):
-        params, opt_state = carry
-        params, old_overwrite = overwrite.split(params, "params")
+    split = fp8.split(grads, params)
+
+    def optimizer_step(grads, carry):
+        params, opt_state, metadata = carry
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         params = optax.apply_updates(params, updates)
-        if old_overwrite is not None:
-            params = overwrite.merge(
-                params, overwrite.written(new_overwrite, old_overwrite)
-            )
-        return None, (params, opt_state)
+        if metadata is not None:
+            metadata = fp8.written(split.new, metadata)
+        return None, (params, opt_state, metadata)
 
-    _, (params, opt_state), loss_scale, applied = step.guarded_step(
+    _, (params, opt_state, metadata), loss_scale, applied = step.guarded_step(
         loss_scale,
-        grads,
-        params,
+        split.grads,
+        split.params,
         extra_args.get("value"),
         options,
         optimizer_step,
-        (params, opt_state),
+        (split.params, opt_state, split.old),
     )
-    return params, opt_state, loss_scale, applied
+    return fp8.merge(params, metadata), opt_state, loss_scale, applied

@@ -12,15 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import fields
+from lossscale._src import kind_checks
 from lossscale._src.fields import field
 from lossscale._src.registry import build
 from lossscale._src.registry import register_kind
-
-# Names a kind may not use for a field: the base class's own attributes.
-_RESERVED = frozenset(
-    {"kind", "adjust", "replace", "get_config", "from_config"}
-    | {"lowest_scale", "highest_scale"}
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
@@ -83,7 +78,7 @@ class LossScale:
                 " values in `__post_init__`, or add a classmethod constructor."
             )
         dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
-        _check_class(cls)
+        kind_checks.check_class(cls, LossScale)
         cls._specs = fields.specs(cls)
         # The rule's leaves first: checkpoints and `repr` open with `.scale`.
         arrays = [n for n, s in cls._specs.items() if not s.static]
@@ -91,7 +86,7 @@ class LossScale:
         cls._settings = tuple(n for n, s in cls._specs.items() if s.static)
         cls._get_leaves = staticmethod(_getter(cls._leaves))
         cls._get_settings = staticmethod(_getter(cls._settings))
-        cls.__init__ = _finishing(cls.__init__)
+        cls.__init__ = kind_checks.finishing(cls.__init__)
         cls.kind = register_kind(cls, kind)
         # Unflattening skips `__init__`: leaves may be tracers, shape structs,
         # shardings or other placeholders.
@@ -241,94 +236,6 @@ COUNTERS = LossScale._leaves
 def rule_fields(cls: type[LossScale]) -> tuple[str, ...]:
     """The array fields a kind declares (its rule's), without the counters."""
     return tuple(n for n in cls._leaves if n not in COUNTERS)
-
-
-def _check_class(cls: type) -> None:
-    """Refuses, at class creation, what would otherwise fail deep inside JAX."""
-    own = vars(cls).get("__annotations__", {})
-    for name in COUNTERS:
-        if name in own:
-            raise TypeError(
-                f"`{cls.__name__}` declares `{name}`, a counter every state has and"
-                " `lossscale.update` keeps; choose another name."
-            )
-    for f in dataclasses.fields(cls):
-        if fields.METADATA_KEY not in f.metadata:
-            raise TypeError(
-                f"`{cls.__name__}.{f.name}` is a dataclass field without"
-                " `lossscale.field`: declare an array leaf with"
-                " `lossscale.field(dtype=..., default=...)` or a setting with"
-                " `lossscale.field(static=True, default=...)`."
-            )
-        if f.name in _RESERVED:
-            raise TypeError(
-                f"`{cls.__name__}` declares a field `{f.name}`, a name `LossScale`"
-                " uses; choose another name."
-            )
-    spec = fields.specs(cls).get("scale")
-    if spec is not None and (spec.dtype != jnp.float32 or spec.shape != ()):
-        raise TypeError(
-            f"`{cls.__name__}.scale` must be a float32 scalar array, got a field of"
-            f" {spec.dtype} and shape {spec.shape}; the loss is multiplied by it."
-        )
-    if cls.adjust is LossScale.adjust:
-        raise TypeError(f"`{cls.__name__}` must define `adjust(self, grads_finite)`.")
-    if not hasattr(cls, "scale") and "scale" not in {
-        f.name for f in dataclasses.fields(cls)
-    }:
-        raise TypeError(
-            f"`{cls.__name__}` must define `scale`: an array field"
-            " (`scale: jax.Array = lossscale.field(dtype=jnp.float32, ...)`) or a"
-            " property returning a float32 scalar array."
-        )
-
-
-def _finishing(init):
-    """Wraps a kind's dataclass `__init__`: cast the arrays, check the result."""
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):  # noqa: N807
-        init(self, *args, **kwargs)
-        _finish(self)
-
-    return __init__
-
-
-def _finish(state: LossScale) -> None:
-    cls = type(state)
-    name = cls.__name__
-    for key, spec in cls._specs.items():
-        value = state.__dict__[key]
-        if spec.static:
-            value = fields.checked_setting(value, name, key)
-        elif value is None:
-            raise TypeError(
-                f"`{name}`: array field `{key}` has no value; pass `{key}=...` or give"
-                " it a default."
-            )
-        else:
-            value = fields.as_array(spec, value, name, key)
-        object.__setattr__(state, key, value)
-    scale = state.scale
-    if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
-        raise TypeError(
-            f"`{name}.scale` must be a float32 scalar array, got"
-            f" {type(scale).__name__}; return `jnp.asarray(x, jnp.float32)`."
-        )
-    batch = jnp.shape(state.skipped_steps)  # leading dims of a stacked state
-    if scale.dtype != jnp.float32 or scale.shape not in ((), batch):
-        raise TypeError(
-            f"`{name}.scale` must be a float32 scalar array, got {scale.dtype}"
-            f" of shape {scale.shape}; the loss is multiplied by it."
-        )
-    for bound in ("lowest_scale", "highest_scale"):
-        value = getattr(state, bound)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(
-                f"`{name}.{bound}` must be a static Python float (it decides what"
-                f" is compiled), got {type(value).__name__}; derive it from"
-                " settings, not from array fields."
-            )
 
 
 def _getter(names: tuple[str, ...]):

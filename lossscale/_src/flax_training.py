@@ -15,10 +15,10 @@ from flax.training import train_state
 
 from lossscale._src import apply
 from lossscale._src import checks
+from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src import metrics as metrics_lib
-from lossscale._src import overwrite
 from lossscale._src import wrapper
 from lossscale._src.base import LossScale
 
@@ -127,7 +127,7 @@ class TrainState(train_state.TrainState):
         options = checks.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
         # Flax's fp8 metadata are no optimizer's business (design.md).
-        opt_state = tx.init(overwrite.split(params, "params")[0])
+        opt_state = tx.init(fp8.trainable(params))
         lookup.refuse_wrapped(opt_state, "tx", "the train state")
         return cls(
             step=jnp.zeros([], jnp.int32),

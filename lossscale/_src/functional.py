@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from lossscale._src import checks
+from lossscale._src import fp8
 from lossscale._src import lookup
 from lossscale._src import numerics
 from lossscale._src import step
@@ -70,8 +71,10 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     Each leaf is multiplied by `1 / scale` (computed in float32, as TF does) in
     float32 or wider, and rounded once to the leaf's dtype. For a power-of-two
     scale (the dynamic scale's defaults keep it one) this is exactly the quotient.
-    `None` leaves pass through. Keep parameters, and hence gradients, in float32:
-    unscaling into a float16 leaf loses again what scaling kept from underflowing.
+    `None` leaves, and Flax's fp8 `_overwrite_with_gradient` collection (new
+    values, not gradients), pass through. Keep parameters, and hence gradients,
+    in float32: unscaling into a float16 leaf loses again what scaling kept from
+    underflowing.
 
     Args:
       grads: a pytree of floating-point gradients of the scaled loss.
@@ -93,8 +96,9 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
       [1. 2.]
     """
     state = lookup.state_of(loss_scale)
+    grads, metadata = fp8.split_off(grads, "grads")
     checks.check_gradients(grads)
-    return numerics.unscale_tree(grads, state)
+    return fp8.merge(numerics.unscale_tree(grads, state), metadata)
 
 
 def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import optax
 
 from lossscale._src import checks
 from lossscale._src.base import LossScale
+from lossscale._src.fp8 import OVERWRITE
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
@@ -41,9 +44,31 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 def find_all(tree: Any) -> list[tuple[Any, LossScale]]:
     """The (key path, state) pairs of every loss-scale state inside `tree`."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda node: isinstance(node, LossScale)
+        tree, is_leaf=lambda node: isinstance(node, LossScale | optax.MultiStepsState)
     )
-    return [(path, leaf) for path, leaf in leaves if isinstance(leaf, LossScale)]
+    found = []
+    for path, leaf in leaves:
+        if isinstance(leaf, optax.MultiStepsState):
+            inner = find_all(leaf.inner_opt_state)
+            _refuse_fp8_accumulated_outside(leaf, inner)
+            where = (*path, jax.tree_util.GetAttrKey("inner_opt_state"))
+            found += [((*where, *inner_path), state) for inner_path, state in inner]
+        elif isinstance(leaf, LossScale):
+            found.append((path, leaf))
+    return found
+
+
+def _refuse_fp8_accumulated_outside(state: Any, inner: list) -> None:
+    # `MultiSteps(wrap(...))` averages Flax's fp8 metadata with the gradients:
+    # an unused op's -inf makes them NaN for good.
+    if inner and isinstance(state.acc_grads, Mapping) and OVERWRITE in state.acc_grads:
+        raise ValueError(
+            f"`optax.MultiSteps(lossscale.wrap(...))` accumulates Flax's fp8"
+            f" `{OVERWRITE}` collection as gradients, averaging the scales and amax"
+            " histories (and an unused op's -inf makes them NaN). Accumulate inside"
+            " the wrap instead: `lossscale.wrap(optax.MultiSteps(inner, k))`, which"
+            " combines them with max until the inner optimizer steps."
+        )
 
 
 def state_of(value: Any, name: str = "loss_scale") -> LossScale:

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from lossscale._src import checks
 from lossscale._src import numerics
-from lossscale._src import overwrite
 from lossscale._src.base import LossScale
 from lossscale._src.update import update
 
@@ -25,7 +24,7 @@ def guarded_step(
     params: Any,
     value: Any,
     options: checks.StepOptions,
-    applied_step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    applied_step: Callable[[Any, Any], tuple[Any, Any]],
     carry: Any,
 ) -> tuple[Any, Any, LossScale, jax.Array]:
     """One loss-scaled step.
@@ -33,21 +32,19 @@ def guarded_step(
     1. Checks, in one pass over `grads`, whether the unscaled gradients are all
        finite (with `clip_norm`, their global norm is the check), and whether
        the loss `value` is (when given); agrees on both over `axis_name`.
-    2. Under one `jax.lax.cond`: either `applied_step(unscaled_grads, overwrite,
-       carry)`, returning `(output, new_carry)`, where the unscaling (and
-       clipping) fuses into the step; or the skip, returning negative zeros shaped
-       like `output` (`p + (-0.0)` is `p` bit for bit) and `carry` untouched.
-       Flax's fp8 `_overwrite_with_gradient` collection is split off the
-       gradients first: it takes no part in the check or the unscaling, and
-       reaches `applied_step` as `overwrite` (None when there is none).
+    2. Under one `jax.lax.cond`: either `applied_step(unscaled_grads, carry)`,
+       returning `(output, new_carry)`, where the unscaling (and clipping) fuses
+       into the step; or the skip, returning negative zeros shaped like `output`
+       (`p + (-0.0)` is `p` bit for bit) and `carry` untouched. Flax's fp8
+       collection is split off by the caller (`fp8.split`) before: it takes no
+       part in the check or the unscaling.
     3. Updates the loss-scale state: the unscaling used the scale the loss was
        multiplied by, the next step uses the new one.
 
     Args:
       loss_scale: the current loss-scale state.
       grads: the gradients of the scaled loss, checked here.
-      params: the parameters (their dtypes decide the unscaled dtypes), or None;
-        with the fp8 collection, if the gradients have it.
+      params: the parameters (their dtypes decide the unscaled dtypes), or None.
       value: the unscaled loss, or None.
       options: `axis_name` and `clip_norm`, checked where the step was built.
       applied_step: the step on the unscaled gradients.
@@ -56,15 +53,6 @@ def guarded_step(
     Returns:
       `(output, carry, loss_scale, applied)`.
     """
-    grads, new_overwrite = overwrite.split(grads, "grads")
-    if params is None and new_overwrite is not None:
-        raise ValueError(
-            f"The gradients hold Flax's `{overwrite.OVERWRITE}` collection: pass"
-            " `params` too, whose old values a skipped step keeps."
-        )
-    if params is not None:
-        params, old_overwrite = overwrite.split(params, "params")
-        checks.check_same_structure(new_overwrite, old_overwrite, overwrite.OVERWRITE)
     checks.check_gradients(grads, params)
     grads_finite, loss_finite, norm = _finite_flags(
         grads, params, loss_scale, value, options
@@ -78,11 +66,11 @@ def guarded_step(
     applied_types = []
 
     def apply_branch(operands):
-        grads, new_overwrite, carry = operands
+        grads, carry = operands
         grads = numerics.unscale_tree(grads, loss_scale, params)
         if options.clip_norm is not None:
             grads = numerics.clip_to_norm(grads, norm, options.clip_norm)
-        result = applied_step(grads, new_overwrite, carry)
+        result = applied_step(grads, carry)
         # From the abstract values: `ShapeDtypeStruct.like` of a tracer asks for
         # its sharding, which costs a walk of the whole trace per leaf.
         applied_types.append(
@@ -94,13 +82,13 @@ def guarded_step(
         if not applied_types:
             jax.eval_shape(apply_branch, operands)
         output_types, carry_types = applied_types[-1]
-        checks.check_same_types(carry_types, operands[2])
+        checks.check_same_types(carry_types, operands[1])
         # `full_like` of the applied types also keeps their `shard_map` typing
         # (which mapped axes the values vary over).
         zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
-        return zeros, operands[2]
+        return zeros, operands[1]
 
-    operands = (grads, new_overwrite, carry)
+    operands = (grads, carry)
     output, carry = jax.lax.cond(applied, apply_branch, skip_branch, operands)
     return output, carry, update(loss_scale, grads_finite, loss_finite), applied
 

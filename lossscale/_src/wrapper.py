@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
+from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
-from lossscale._src import overwrite
 from lossscale._src import step
 from lossscale._src.base import LossScale
 
@@ -135,14 +135,14 @@ def wrap(
     options = checks.step_options(axis_name, clip_norm)
 
     def init_fn(params):
-        params, fp8_metadata = overwrite.split(params, "params")
-        inner_state = inner.init(params)
+        trainable, fp8_metadata = fp8.split_off(params, "params")
+        inner_state = inner.init(trainable)
         lookup.refuse_wrapped(inner_state, "inner", "`lossscale.wrap`")
         # Under accumulation, fp8 metadata combine with max until the inner
         # optimizer steps (design.md, "fp8 metadata").
         pending = None
         if accumulates and fp8_metadata is not None:
-            pending = overwrite.unproduced_like(fp8_metadata)
+            pending = fp8.unproduced_like(fp8_metadata)
         # Fresh buffers on every call, so the state is safe to donate.
         return WrapState(kinds.fresh_copy(template), inner_state, pending)
 
@@ -153,45 +153,45 @@ def wrap(
                 f" `init`, got {type(state).__name__}."
             )
 
-        def inner_step(grads, new_metadata, carry):
+        split = fp8.split(updates, params)
+
+        def inner_step(grads, carry):
             inner_state, pending = carry
-            trainable, old_metadata = overwrite.split(params, "params")
             updates, new_inner_state = inner.update(
-                grads, inner_state, trainable, **extra_args
+                grads, inner_state, split.params, **extra_args
             )
-            if old_metadata is None:
-                return updates, (new_inner_state, pending)
+            if split.old is None:
+                return (updates, None), (new_inner_state, pending)
             if pending is None:
-                written = overwrite.written(new_metadata, old_metadata)
+                written = fp8.written(split.new, split.old)
             else:
-                pending = overwrite.maximum(pending, new_metadata)
+                pending = fp8.maximum(pending, split.new)
                 stepped = new_inner_state.mini_step == 0  # MultiSteps emitted
                 written = jax.tree.map(
                     lambda new, old: jnp.where(stepped, new, old),
-                    overwrite.written(pending, old_metadata),
-                    old_metadata,
+                    fp8.written(pending, split.old),
+                    split.old,
                 )
                 pending = jax.tree.map(
                     lambda p: jnp.where(stepped, -jnp.inf, p), pending
                 )
-            # `apply_updates` adds: the difference writes the new values (to
-            # within one rounding of the sum); -0.0 keeps an unchanged value bitwise.
-            differences = jax.tree.map(
-                lambda new, old: jnp.where(new == old, -0.0, new - old),
-                written,
-                old_metadata,
+            return (updates, fp8.differences(written, split.old)), (
+                new_inner_state,
+                pending,
             )
-            return overwrite.merge(updates, differences), (new_inner_state, pending)
 
-        updates, (inner_state, pending), loss_scale, _ = step.guarded_step(
-            state.loss_scale,
-            updates,
-            params,
-            extra_args.get("value"),
-            options,
-            inner_step,
-            (state.inner_state, state.pending_overwrite),
+        (updates, differences), (inner_state, pending), loss_scale, _ = (
+            step.guarded_step(
+                state.loss_scale,
+                split.grads,
+                split.params,
+                extra_args.get("value"),
+                options,
+                inner_step,
+                (state.inner_state, state.pending_overwrite),
+            )
         )
+        updates = fp8.merge(updates, differences)
         return updates, WrapState(loss_scale, inner_state, pending)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,156 @@
+"""Flax's fp8 `_overwrite_with_gradient` collection: new values, not gradients.
+
+Flax's fp8 layers keep their scales and amax histories in that collection, at the top
+level of the variables (`{"params": ..., "_overwrite_with_gradient": ...}`); the
+"gradients" of those leaves are their new values. They are never unscaled, clipped,
+checked or fed to the optimizer, and they are written only on applied steps
+(`docs/design.md`, "fp8 metadata").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+OVERWRITE = "_overwrite_with_gradient"
+
+
+class Split(NamedTuple):
+    """A step's trees with the collection split off, once, where the step starts."""
+
+    grads: Any  # the gradients without the collection
+    params: Any  # the parameters without it (None if none were given)
+    new: Any  # the collection's new values, from the gradients; None if absent
+    old: Any  # its current values, from the parameters; None if absent
+
+
+def split(grads: Any, params: Any) -> Split:
+    """Splits the collection off `grads` and `params`, checking that they match.
+
+    Raises:
+      ValueError: if the collection is nested, the two collections' trees
+        differ, or a new value's shape differs from its old value's.
+      TypeError: if a new value is not floating point.
+    """
+    grads, new = split_off(grads, "grads")
+    if params is None:
+        if new is not None:
+            raise ValueError(
+                f"The gradients hold Flax's `{OVERWRITE}` collection: pass `params`"
+                " too, whose old values a skipped step keeps."
+            )
+        return Split(grads, None, None, None)
+    params, old = split_off(params, "params")
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError(
+            f"The gradients' and `params`' fp8 `{OVERWRITE}` collections must have"
+            f" the same tree structure, got {jax.tree.structure(new)} and"
+            f" {jax.tree.structure(old)}."
+        )
+    if new is not None:
+        _check_new_values(new, old)
+    return Split(grads, params, new, old)
+
+
+def trainable(params: Any) -> Any:
+    """`params` without the collection: what an optimizer sees."""
+    return split_off(params, "params")[0]
+
+
+def split_off(tree: Any, name: str) -> tuple[Any, Any]:
+    """`(tree without the collection, the collection)`; the latter None if absent."""
+    if isinstance(tree, Mapping) and OVERWRITE in tree:
+        rest = {key: value for key, value in tree.items() if key != OVERWRITE}
+        return _like(tree, rest), tree[OVERWRITE]
+    _refuse_nested(tree, name)
+    return tree, None
+
+
+def _check_new_values(new: Any, old: Any) -> None:
+    new_paths, _ = jax.tree_util.tree_flatten_with_path(new)
+    for (path, value), before in zip(new_paths, jax.tree.leaves(old), strict=True):
+        where = f"{OVERWRITE}{jax.tree_util.keystr(path)}"
+        if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise TypeError(
+                f"The new fp8 value at {where} has dtype {jnp.result_type(value)};"
+                " fp8 scales and amax histories are floating point."
+            )
+        if jnp.shape(value) != jnp.shape(before):
+            raise ValueError(
+                f"The new fp8 value at {where} has shape {jnp.shape(value)}, the"
+                f" variable has shape {jnp.shape(before)}: it would be broadcast"
+                " into the variable. Give it the variable's shape."
+            )
+
+
+def merge(tree: Any, collection: Any) -> Any:
+    """`tree` with the collection put back, once, where the step ends.
+
+    Nothing is added if `collection` is None.
+    """
+    if collection is None:
+        return tree
+    return _like(tree, {**tree, OVERWRITE: collection})
+
+
+def written(new: Any, old: Any) -> Any:
+    """The values an applied step writes: `new`, except where no op produced them.
+
+    An fp8 op that did not run in a step gives its metadata the default cotangent:
+    zeros for float32 metadata, -inf for Flax's max-accumulating `fm32` type. A
+    leaf that is all zeros, and elements that are not finite, keep their old
+    values; a used op never produces either (its scale is > 0, its history holds
+    the old history shifted by one).
+    """
+
+    def leaf(new, old):
+        new = jax.lax.convert_element_type(new, old.dtype)
+        produced = jnp.isfinite(new) & jnp.any(new != 0)
+        return jnp.where(produced, new, old)
+
+    return jax.tree.map(leaf, new, old)
+
+
+def differences(written: Any, old: Any) -> Any:
+    """What `optax.apply_updates` adds to `old` to give `written`.
+
+    To within one rounding of the sum; -0.0 keeps an unchanged value bitwise.
+    """
+    return jax.tree.map(
+        lambda new, old: jnp.where(new == old, -0.0, new - old), written, old
+    )
+
+
+def unproduced_like(tree: Any) -> Any:
+    """-inf everywhere: the start of a max over micro-steps (see `wrap`)."""
+    return jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), tree)
+
+
+def maximum(a: Any, b: Any) -> Any:
+    """Elementwise max of two collections: how fp8 metadata combines over steps."""
+    return jax.tree.map(
+        lambda a, b: jnp.maximum(a, jax.lax.convert_element_type(b, a.dtype)), a, b
+    )
+
+
+def _like(mapping: Mapping, items: dict) -> Any:
+    try:
+        return type(mapping)(items)
+    except TypeError:  # a mapping type that does not take a dict
+        return items
+
+
+def _refuse_nested(tree: Any, name: str) -> None:
+    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+    for path, _leaf in paths:
+        if any(getattr(key, "key", None) == OVERWRITE for key in path):
+            raise ValueError(
+                f"`{name}` holds Flax's `{OVERWRITE}` collection below its top level"
+                f" (at {jax.tree_util.keystr(path)}). Pass the whole variables dict,"
+                f" `{{'params': ..., '{OVERWRITE}': ...}}`, as Flax's fp8 layers"
+                " create it."
+            )

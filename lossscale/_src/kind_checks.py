@@ -1,0 +1,110 @@
+"""What a loss-scale kind is checked for: its declaration, and each new state.
+
+Each mistake is refused where it is made, with what to do instead, rather than
+failing later deep inside JAX (`docs/design.md`, "States").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+
+from lossscale._src import fields
+
+# Names a kind may not use for a field: the base class's own attributes.
+RESERVED = frozenset(
+    {"kind", "adjust", "replace", "get_config", "from_config"}
+    | {"lowest_scale", "highest_scale"}
+)
+
+
+def check_class(cls: type, base: type) -> None:
+    """Refuses, at class creation, what would otherwise fail deep inside JAX."""
+    own = vars(cls).get("__annotations__", {})
+    for name in base._leaves:  # the counters
+        if name in own:
+            raise TypeError(
+                f"`{cls.__name__}` declares `{name}`, a counter every state has and"
+                " `lossscale.update` keeps; choose another name."
+            )
+    for f in dataclasses.fields(cls):
+        if fields.METADATA_KEY not in f.metadata:
+            raise TypeError(
+                f"`{cls.__name__}.{f.name}` is a dataclass field without"
+                " `lossscale.field`: declare an array leaf with"
+                " `lossscale.field(dtype=..., default=...)` or a setting with"
+                " `lossscale.field(static=True, default=...)`."
+            )
+        if f.name in RESERVED:
+            raise TypeError(
+                f"`{cls.__name__}` declares a field `{f.name}`, a name `LossScale`"
+                " uses; choose another name."
+            )
+    spec = fields.specs(cls).get("scale")
+    if spec is not None and (spec.dtype != jnp.float32 or spec.shape != ()):
+        raise TypeError(
+            f"`{cls.__name__}.scale` must be a float32 scalar array, got a field of"
+            f" {spec.dtype} and shape {spec.shape}; the loss is multiplied by it."
+        )
+    if cls.adjust is base.adjust:
+        raise TypeError(f"`{cls.__name__}` must define `adjust(self, grads_finite)`.")
+    if not hasattr(cls, "scale") and "scale" not in {
+        f.name for f in dataclasses.fields(cls)
+    }:
+        raise TypeError(
+            f"`{cls.__name__}` must define `scale`: an array field"
+            " (`scale: jax.Array = lossscale.field(dtype=jnp.float32, ...)`) or a"
+            " property returning a float32 scalar array."
+        )
+
+
+def finishing(init):
+    """Wraps a kind's dataclass `__init__`: cast the arrays, check the result."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):  # noqa: N807
+        init(self, *args, **kwargs)
+        finish(self)
+
+    return __init__
+
+
+def finish(state: Any) -> None:
+    """Casts a new state's fields and checks its `scale` and bounds."""
+    cls = type(state)
+    name = cls.__name__
+    for key, spec in cls._specs.items():
+        value = state.__dict__[key]
+        if spec.static:
+            value = fields.checked_setting(value, name, key)
+        elif value is None:
+            raise TypeError(
+                f"`{name}`: array field `{key}` has no value; pass `{key}=...` or give"
+                " it a default."
+            )
+        else:
+            value = fields.as_array(spec, value, name, key)
+        object.__setattr__(state, key, value)
+    scale = state.scale
+    if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
+        raise TypeError(
+            f"`{name}.scale` must be a float32 scalar array, got"
+            f" {type(scale).__name__}; return `jnp.asarray(x, jnp.float32)`."
+        )
+    batch = jnp.shape(state.skipped_steps)  # leading dims of a stacked state
+    if scale.dtype != jnp.float32 or scale.shape not in ((), batch):
+        raise TypeError(
+            f"`{name}.scale` must be a float32 scalar array, got {scale.dtype}"
+            f" of shape {scale.shape}; the loss is multiplied by it."
+        )
+    for bound in ("lowest_scale", "highest_scale"):
+        value = getattr(state, bound)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(
+                f"`{name}.{bound}` must be a static Python float (it decides what"
+                f" is compiled), got {type(value).__name__}; derive it from"
+                " settings, not from array fields."
+            )
