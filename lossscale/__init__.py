@@ -13,12 +13,10 @@ from lossscale._src.config import check_config
 from lossscale._src.fields import field
 from lossscale._src.functional import all_finite
 from lossscale._src.functional import scale_loss
-from lossscale._src.functional import select_tree
 from lossscale._src.functional import unscale_grads
 from lossscale._src.grad import value_and_grad
 from lossscale._src.grad_stats import grad_stats
 from lossscale._src.kinds import DynamicLossScale
-from lossscale._src.kinds import LossScaleLike
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
 from lossscale._src.legacy import checkpoint_0_2_layout
@@ -34,7 +32,6 @@ __version__ = "0.3.0.dev0"
 __all__ = (
     "DynamicLossScale",
     "LossScale",
-    "LossScaleLike",
     "NoOpLossScale",
     "StaticLossScale",
     "WrapState",
@@ -48,7 +45,6 @@ __all__ = (
     "grad_stats",
     "metrics",
     "scale_loss",
-    "select_tree",
     "unscale_grads",
     "update",
     "value_and_grad",

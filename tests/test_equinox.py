@@ -64,7 +64,6 @@ def test_gradients_of_a_filtered_model_hold_none_and_functions_are_skipped():
     assert not bool(lossscale.all_finite(scaled_grads(model, SCALE, poison=True)))
     stats = lossscale.grad_stats(unscaled, SCALE)
     assert float(stats["zero_fraction"]) < 1.0
-    assert lossscale.select_tree(jnp.asarray(True), grads, grads) is not None
 
 
 @pytest.mark.slow  # a training run

@@ -31,8 +31,9 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
 
     Raises:
       ValueError: if the kinds or settings differ (the message lists the
-        differences and the migration path), or `saved` is not a config.
-      TypeError: if `loss_scale` is not a state or a tree holding one.
+        differences and the migration path), `saved` is not a config, or
+        `loss_scale` holds no state (or several).
+      TypeError: if `loss_scale` is a spec (a number, "dynamic" or None).
 
     Examples:
       >>> import lossscale
@@ -47,7 +48,7 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
     # Rebuilt, so that the comparison sees the values the constructor keeps
     # (settings in float32, as the rules compute).
     expected = LossScale.from_config(saved).get_config()
-    current = lookup.state_of(loss_scale).get_config()
+    current = lookup.find(loss_scale, "loss_scale").get_config()
     if current == expected:
         return
     differences = [

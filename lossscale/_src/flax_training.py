@@ -238,7 +238,7 @@ class Optimizer(nnx.Optimizer):
     @property
     def loss_scale(self) -> LossScale:
         """The loss-scale state, with plain arrays as leaves."""
-        return lookup.get_loss_scale(nnx.as_pure(self.opt_state))
+        return lookup.find(nnx.as_pure(self.opt_state), "opt_state")
 
     def update(self, model, grads, /, **kwargs) -> optax.Updates:
         """Updates the model from gradients of the scaled loss; see `nnx.Optimizer`.

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from lossscale._src import checks
 from lossscale._src import fp8
@@ -40,8 +39,9 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
 
     Raises:
       TypeError: if `loss` is not a floating-point array (or a callable of no
-        arguments), or `loss_scale` is not a state or a tree holding one.
-      ValueError: if `loss` is not a scalar.
+        arguments), or `loss_scale` is a spec (a number, "dynamic" or None).
+      ValueError: if `loss` is not a scalar, or `loss_scale` holds no state (or
+        several).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -54,7 +54,7 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
       >>> print(scaled_fn())
       2048.0
     """
-    state = lookup.state_of(loss_scale)
+    state = lookup.find(loss_scale, "loss_scale")
     if callable(loss) and not hasattr(loss, "dtype"):
         _check_no_arguments(loss)
         return lambda: scale_loss(loss(), state)
@@ -86,7 +86,8 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
 
     Raises:
       TypeError: if a gradient leaf is not floating point (or complex), a leaf is
-        a sparse array, or `loss_scale` is not a state or a tree holding one.
+        a sparse array, or `loss_scale` is a spec (a number, "dynamic" or None).
+      ValueError: if `loss_scale` holds no state (or several).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -95,7 +96,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
       >>> print(lossscale.unscale_grads(grads, lossscale.StaticLossScale(1024))["w"])
       [1. 2.]
     """
-    state = lookup.state_of(loss_scale)
+    state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
     checks.check_gradients(grads)
     return fp8.merge(numerics.unscale_tree(grads, state), metadata)
@@ -141,57 +142,6 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
     axis_name = checks.check_axis_name(axis_name)
     checks.refuse_sparse(tree, "tree")
     return step.agree(numerics.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
-
-
-def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
-    """Picks `on_true` or `on_false`, leaf by leaf, by a scalar predicate.
-
-    Both trees must have the same structure, shapes and dtypes. Inside `jax.jit`
-    this is an elementwise select over every leaf; prefer `jax.lax.cond` when the
-    trees are large and the alternative is just to keep the old values (as
-    `lossscale.wrap` does).
-
-    Args:
-      pred: boolean scalar.
-      on_true: the tree returned where `pred` is True.
-      on_false: the tree returned where `pred` is False.
-
-    Returns:
-      A tree like `on_true`.
-
-    Raises:
-      TypeError: if `pred` is not boolean, or leaves differ in dtype.
-      ValueError: if `pred` is not a scalar, or the trees differ in structure or
-        leaf shapes.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import lossscale
-      >>> new, old = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([0.0, 0.0])}
-      >>> print(lossscale.select_tree(jnp.array(False), new, old)["w"])
-      [0. 0.]
-    """
-    pred = checks.as_predicate("pred", pred)
-    true_leaves, true_def = jax.tree.flatten(on_true)
-    false_leaves, false_def = jax.tree.flatten(on_false)
-    if true_def != false_def:
-        raise ValueError(
-            "`on_true` and `on_false` must have the same tree structure, got"
-            f" {true_def} and {false_def}."
-        )
-    for index, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
-        a, b = jnp.asarray(a), jnp.asarray(b)
-        if a.shape != b.shape:
-            raise ValueError(
-                f"`select_tree`: leaf {index} has shape {a.shape} in `on_true` but"
-                f" {b.shape} in `on_false`."
-            )
-        if a.dtype != b.dtype:
-            raise TypeError(
-                f"`select_tree`: leaf {index} has dtype {a.dtype} in `on_true` but"
-                f" {b.dtype} in `on_false`."
-            )
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _check_no_arguments(loss_fn: Callable[[], Any]) -> None:

@@ -85,7 +85,7 @@ def value_and_grad(
         return functional.scale_loss(loss, state), (loss, aux)
 
     def grad_fn(loss_scale, *args, **kwargs):
-        state = lookup.state_of(loss_scale)
+        state = lookup.find(loss_scale, "loss_scale")
         if max(_entries(argnums)) >= len(args):
             raise ValueError(
                 f"`argnums` is {argnums!r} but `fun` was given {len(args)}"

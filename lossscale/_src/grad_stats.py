@@ -128,4 +128,4 @@ def _scale_to_evaluate_at(loss_scale: Any) -> jax.Array:
         return jnp.ones([], jnp.float32)
     if checks.is_number(loss_scale):
         return jnp.asarray(loss_scale, jnp.float32)
-    return jnp.asarray(lookup.state_of(loss_scale).scale, jnp.float32)
+    return jnp.asarray(lookup.find(loss_scale, "loss_scale").scale, jnp.float32)

@@ -18,7 +18,8 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 
     It looks through any pytree: the state of `lossscale.wrap`, and chains,
     `optax.MultiSteps`, `optax.inject_hyperparams` or other containers around it,
-    a `lossscale.flax.TrainState` or `lossscale.flax.Optimizer`.
+    a `lossscale.flax.TrainState` or `lossscale.flax.Optimizer`. Every function
+    that takes "a state or a tree holding one" finds it this way.
 
     Args:
       opt_state: an optimizer state (any pytree), or a loss-scale state itself.
@@ -27,7 +28,9 @@ def get_loss_scale(opt_state: Any) -> LossScale:
       The one loss-scale state found.
 
     Raises:
-      ValueError: if there is none, or more than one (e.g. nested wraps).
+      TypeError: if `opt_state` is a spec (a number, "dynamic" or None): it
+        describes a state to create, not the one the optimizer carries.
+      ValueError: if there is no state inside, or more than one (nested wraps).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -38,7 +41,33 @@ def get_loss_scale(opt_state: Any) -> LossScale:
       >>> print(lossscale.get_loss_scale(opt_state).scale)
       32768.0
     """
-    return _the_one(find_all(opt_state), opt_state)
+    return find(opt_state, "opt_state")
+
+
+def find(value: Any, name: str) -> LossScale:
+    """`get_loss_scale(value)`, naming the argument `name` in its errors."""
+    if isinstance(value, LossScale):
+        return value
+    # A per-step function that created a state from a spec would work from a
+    # fresh one, not the optimizer's: after a back-off, a fresh dynamic scale is
+    # 2**15 while the optimizer unscales by 2**14, a silently wrong step.
+    if (
+        value is None
+        or isinstance(value, str)
+        or checks.is_number(value)
+        or jax.tree_util.treedef_is_leaf(jax.tree.structure(value))
+    ):
+        raise TypeError(
+            f"`{name}` must be a loss-scale state or a tree holding one (the"
+            " optimizer state of `lossscale.wrap`, a `lossscale.flax.TrainState`,"
+            f" ...), got {value!r}. A number, 'dynamic' or None describes a"
+            " loss scale to create (pass it to `lossscale.wrap` or"
+            " `TrainState.create`); a per-step function must read the state that"
+            " the optimizer carries, or it would miss the dynamic scale's"
+            " back-offs. Pass that state, or for a fixed scale"
+            " `lossscale.StaticLossScale(...)`."
+        )
+    return _the_one(find_all(value), value, name)
 
 
 def find_all(tree: Any) -> list[tuple[Any, LossScale]]:
@@ -71,36 +100,6 @@ def _refuse_fp8_accumulated_outside(state: Any, inner: list) -> None:
         )
 
 
-def state_of(value: Any, name: str = "loss_scale") -> LossScale:
-    """The state a per-step function works from: `value`, or the one inside it.
-
-    A spec (a number, "dynamic" or None) is refused: it describes a state to
-    create, and a per-step function that created one would work from a fresh
-    state, not the one the optimizer carries (after a back-off, a fresh dynamic
-    scale is 2**15 while the optimizer unscales by 2**14: a silently wrong step).
-    """
-    if isinstance(value, LossScale):
-        return value
-    if value is None or isinstance(value, str) or checks.is_number(value):
-        raise TypeError(
-            f"`{name}` must be a loss-scale state or a tree holding one (the"
-            " optimizer state of `lossscale.wrap`, a `lossscale.flax.TrainState`,"
-            f" ...), got {value!r}. A number, 'dynamic' or None describes a loss"
-            " scale to create (pass it to `lossscale.wrap` or"
-            " `TrainState.create`); a per-step function must read the state that"
-            " the optimizer carries, or it would miss the dynamic scale's"
-            " back-offs. Pass that state, or for a fixed scale"
-            " `lossscale.StaticLossScale(...)`."
-        )
-    found = find_all(value)
-    if found:
-        return _the_one(found, value)
-    raise TypeError(
-        f"`{name}` must be a loss-scale state or a tree holding one; got"
-        f" {type(value).__name__} with no loss-scale state inside."
-    )
-
-
 def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:
     """Raises `ValueError` if `opt_state` (of the argument `name`) holds a state."""
     found = find_all(opt_state)
@@ -114,17 +113,17 @@ def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:
         )
 
 
-def _the_one(found: list[tuple[Any, LossScale]], tree: Any) -> LossScale:
+def _the_one(found: list[tuple[Any, LossScale]], tree: Any, name: str) -> LossScale:
     if not found:
         raise ValueError(
-            f"No loss-scale state found in `opt_state` (a {type(tree).__name__})."
+            f"No loss-scale state found in `{name}` (a {type(tree).__name__})."
             " Build the optimizer with `lossscale.wrap(inner, loss_scale=...)`, or"
             " pass the loss-scale state itself."
         )
     if len(found) > 1:
         paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in found)
         raise ValueError(
-            f"`opt_state` holds {len(found)} loss-scale states, at {paths}; which"
+            f"`{name}` holds {len(found)} loss-scale states, at {paths}; which"
             " one is meant is ambiguous. Wrap the optimizer once, or pass the"
             " loss-scale state itself."
         )

@@ -36,6 +36,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
         backing off cannot help, and a training loop can stop cleanly on it.
 
     Raises:
+      TypeError: if given a spec (a number, "dynamic" or None) instead of a state.
       ValueError: if no loss-scale state, or more than one, is found.
 
     Examples:
@@ -53,7 +54,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       last_finite True
       stuck False
     """
-    state = lookup.get_loss_scale(opt_state_or_loss_scale)
+    state = lookup.find(opt_state_or_loss_scale, "opt_state_or_loss_scale")
     # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
     skipped_steps = jnp.asarray(state.skipped_steps)
     forward_overflows = jnp.asarray(state.forward_overflows)
