@@ -28,76 +28,44 @@ def apply_gradients(
 ) -> tuple[Any, optax.OptState, LossScale]:
     """Applies the gradients of a scaled loss with `tx`, or skips the step.
 
-    The functional form of `lossscale.flax.TrainState.apply_gradients`, for train
-    steps written with optax alone. It does what `lossscale.wrap(tx)` followed by
-    `optax.apply_updates` does, with the same results bit for bit, but puts the
-    unscaling, `tx.update` *and* `optax.apply_updates` inside the applied branch of
-    one `jax.lax.cond`. Only the new parameters and optimizer state cross the cond,
-    never a tree of updates, so the step costs about one read of the gradients more
-    than the unscaled step (XLA's figures in the docs' performance guide),
-    where `wrap` must hand the updates to the caller.
-
-    A step is applied when every unscaled gradient is finite (and `value`, if
-    given, is finite); otherwise `params` and `opt_state` come back unchanged, bit
-    for bit, and only the loss-scale state moves (see `lossscale.update`).
+    The functional form of `lossscale.flax.TrainState.apply_gradients`: what
+    `lossscale.wrap(tx)` and `optax.apply_updates` do, bit for bit, with the
+    unscaling, `tx.update` and `apply_updates` all in the applied branch of one
+    `jax.lax.cond` (cheaper: `docs/guides/performance.md`). A step is applied when
+    every unscaled gradient, and `value` if given, is finite; otherwise `params`
+    and `opt_state` come back unchanged, and only the loss-scale state moves.
 
     Args:
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.
-      grads: the gradients of the *scaled* loss (`lossscale.scale_loss`), with
-        the tree structure of `params`.
-      params: the parameters. With Flax's fp8 layers, the whole variables dict
-        `{"params": ..., "_overwrite_with_gradient": ...}`: the fp8 metadata take
-        their new values from `grads` on applied steps, bypassing `tx` (see
-        `lossscale.flax.TrainState`).
-      opt_state: `tx`'s state, from `tx.init(params)` (without the fp8
-        collection, if any).
-      loss_scale: the loss-scale state (`lossscale.DynamicLossScale()`, ...),
-        carried from step to step like `opt_state`.
-      value: the unscaled loss, optional. A non-finite `value` is an overflow in
-        the forward pass: the step is skipped without backing off the scale.
-        It is passed on to `tx` like the other extra arguments.
-      axis_name: a `shard_map`/`pmap` axis name (or tuple of names) to agree on
-        the skip decision over, as in `lossscale.wrap`; None under plain `jit`.
-      clip_norm: clip the unscaled gradients to this global norm before `tx`, as
-        `optax.clip_by_global_norm(clip_norm)` first in `tx` would, but in the
-        same pass over the gradients as the finiteness check (see `lossscale.wrap`).
+      grads: the gradients of the *scaled* loss, with the tree of `params`.
+      params: the parameters (with Flax fp8 layers, the whole variables dict).
+      opt_state: `tx.init(params)` (without the fp8 collection, if any).
+      loss_scale: the loss-scale state, carried from step to step.
+      value: the unscaled loss, optional: if not finite, the step is skipped as a
+        forward overflow. Passed on to `tx` with `**extra_args`.
+      axis_name: as in `lossscale.wrap`.
+      clip_norm: as in `lossscale.wrap`.
       **extra_args: extra arguments for `tx.update`.
 
     Returns:
       `(params, opt_state, loss_scale)`, the next ones.
 
     Raises:
-      TypeError: if `tx` is not an optax transformation, `loss_scale` is not a
-        loss-scale state, `axis_name` or `clip_norm` is invalid, a gradient is
-        not floating point, or `tx.update` changes the dtype of a state leaf.
-      ValueError: if `grads` and `params` differ in tree structure, `clip_norm`
-        is not positive and finite, or `opt_state` holds a loss-scale state
-        (`tx` is wrapped already).
+      TypeError: if an argument has the wrong type, a gradient is not floating
+        point, or `tx.update` changes the dtype of a state leaf.
+      ValueError: if `grads` and `params` differ in tree, `clip_norm` is out of
+        range, or `opt_state` holds a loss-scale state (`tx` is wrapped already).
 
     Examples:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import optax
-      >>> import lossscale
-      >>> tx = optax.sgd(0.25)
-      >>> params = jnp.array(1.0)
-      >>> opt_state, loss_scale = tx.init(params), lossscale.DynamicLossScale()
-      >>> @jax.jit
-      ... def train_step(params, opt_state, loss_scale, x):
-      ...     loss_fn = lambda p: (p * x) ** 2
-      ...     loss, grads = lossscale.value_and_grad(loss_fn)(loss_scale, params)
-      ...     return lossscale.apply_gradients(
-      ...         tx, grads=grads, params=params, opt_state=opt_state,
-      ...         loss_scale=loss_scale, value=loss,
-      ...     )
-      >>> params, opt_state, loss_scale = train_step(
-      ...     params, opt_state, loss_scale, jnp.array(1.0))
-      >>> print(params)
-      0.5
-      >>> params, opt_state, loss_scale = train_step(  # a forward overflow
-      ...     params, opt_state, loss_scale, jnp.array(jnp.inf))
-      >>> print(params, loss_scale.scale, loss_scale.forward_overflows)
-      0.5 32768.0 1
+      >>> import jax.numpy as jnp, optax, lossscale
+      >>> tx, params = optax.sgd(0.25), jnp.array(1.0)
+      >>> loss_scale = lossscale.DynamicLossScale()
+      >>> loss, grads = lossscale.value_and_grad(lambda p: p**2)(loss_scale, params)
+      >>> params, opt_state, loss_scale = lossscale.apply_gradients(
+      ...     tx, grads=grads, params=params, opt_state=tx.init(params),
+      ...     loss_scale=loss_scale, value=loss)
+      >>> print(params, loss_scale.skipped_steps)
+      0.5 0
     """
     checks.check_transformation(tx, "tx")
     if not isinstance(loss_scale, LossScale):

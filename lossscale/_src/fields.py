@@ -35,13 +35,11 @@ def field(
 ) -> Any:
     """Declares a field of a loss-scale kind: an array leaf or a static setting.
 
-    A kind is a dataclass (see `lossscale.LossScale`); `field` is
-    `dataclasses.field` with what the library needs to know. An array field is a
-    leaf of the state's pytree, named by the field (checkpoints read `.scale`),
-    of a fixed dtype and shape so that a jitted step compiles once; a Python
-    number given for it is cast. A static field (`static=True`) is a setting: a
-    Python value compiled into the step, kept by every pytree round trip and
-    reported by `get_config`, as `flax.struct.field(pytree_node=False)`.
+    `dataclasses.field` for a kind (see `lossscale.LossScale`). An array field is
+    a pytree leaf named by the field, of a fixed dtype and shape, so a jitted
+    step compiles once. A static field (`static=True`) is a setting: a Python
+    value compiled into the step and reported by `get_config`, like
+    `flax.struct.field(pytree_node=False)`.
 
     Args:
       dtype: an array field's dtype (`jnp.float32`, `jnp.int32`, `jnp.bool_`,
@@ -64,8 +62,7 @@ def field(
         gets a `dtype` or `shape`.
 
     Examples:
-      >>> import jax, jax.numpy as jnp
-      >>> import lossscale
+      >>> import jax, jax.numpy as jnp, lossscale
       >>> class Halving(lossscale.LossScale, kind="doctest.halving"):
       ...     scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1024.0)
       ...     floor: float = lossscale.field(static=True, default=1.0)

@@ -27,48 +27,25 @@ class TrainState(train_state.TrainState):
     """Flax's `TrainState` with loss scaling and exact skips of non-finite steps.
 
     Create it with `TrainState.create(apply_fn=..., params=..., tx=...,
-    loss_scale=...)`, where `tx` is any (unwrapped) optax optimizer. Differentiate
-    the scaled loss (`lossscale.value_and_grad(loss_fn)(state, ...)` or
-    `lossscale.scale_loss(loss, state)`) and pass its gradients to
-    `apply_gradients`, which:
-
-    * checks with one reduction whether the unscaled gradients are all finite;
-    * if so, unscales them, runs `tx.update` and applies the updates, all inside
-      the applied branch of one `jax.lax.cond`; otherwise it leaves `params` and
-      `opt_state` untouched, bit for bit;
-    * advances `step` only on applied steps, so `step` always equals the
-      optimizer's own step count (Flax's `DynamicScale` recipe lets them drift);
-    * updates the loss-scale state, the field `loss_scale`.
-
-    Flax's fp8 layers work as in Flax's `TrainState`: with `params` the whole
-    variables dict, `{"params": ..., "_overwrite_with_gradient": ...}`, the fp8
-    scales and amax histories take their new values from the gradients, but only
-    on applied steps, and never pass through the unscaling, the check, clipping
-    or `tx` (details: `docs/design.md`, "fp8 metadata").
-
-    `lossscale.metrics(state)` gives the scalars to log. The state is a pytree of
-    arrays only (`step` is an int32 array, not a Python int), so a jitted train
-    step compiles once.
+    loss_scale=...)`, with any unwrapped optax `tx`; differentiate the scaled loss
+    (`lossscale.value_and_grad(loss_fn)(state, ...)`) and pass the gradients to
+    `apply_gradients`. It checks whether the unscaled gradients are finite; if so it
+    unscales them and runs `tx` inside one `jax.lax.cond`, else leaves `params` and
+    `opt_state` untouched, bit for bit; `step` advances only on applied steps (so it
+    equals the optimizer's count); `loss_scale` moves either way. With Flax's fp8
+    layers pass the whole variables dict as `params` (`docs/design.md`, "fp8
+    metadata"). The state holds arrays only: a jitted step compiles once.
 
     Attributes:
       loss_scale: the loss-scale state (`lossscale.DynamicLossScale`, ...).
-      axis_name: static; the `shard_map`/`pmap` axis (or axes) over which the
-        skip decision is agreed, as in `lossscale.wrap`; None under plain `jit`.
-      clip_norm: static; the global norm the unscaled gradients are clipped to
-        before `tx`, in the finiteness check's pass (as in `lossscale.wrap`).
+      axis_name: static; as in `lossscale.wrap`.
+      clip_norm: static; as in `lossscale.wrap`.
 
     Examples:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import optax
-      >>> import lossscale
-      >>> import lossscale.flax
+      >>> import jax, jax.numpy as jnp, optax, lossscale, lossscale.flax
       >>> state = lossscale.flax.TrainState.create(
       ...     apply_fn=lambda params, x: params["w"] * x,
-      ...     params={"w": jnp.array(1.0)},
-      ...     tx=optax.sgd(0.25),
-      ...     loss_scale="dynamic",
-      ... )
+      ...     params={"w": jnp.array(1.0)}, tx=optax.sgd(0.25), loss_scale="dynamic")
       >>> @jax.jit
       ... def train_step(state, x):
       ...     loss_fn = lambda params: state.apply_fn(params, x) ** 2
@@ -181,33 +158,26 @@ class Optimizer(nnx.Optimizer):
     """`flax.nnx.Optimizer` with loss scaling and exact skips of non-finite steps.
 
     It wraps `tx` with `lossscale.wrap(tx, loss_scale)`, so a non-finite step leaves
-    the parameters and the inner optimizer state unchanged bit for bit, and, unlike
-    a plain `nnx.Optimizer` around a wrapped `tx`, its `step` advances only on
-    applied steps. Scale the loss with `lossscale.scale_loss(loss, optimizer)`
-    inside the function given to `nnx.grad` or `nnx.value_and_grad`.
+    the parameters and the inner optimizer state unchanged bit for bit, and its
+    `step` advances only on applied steps. Scale the loss with
+    `lossscale.scale_loss(loss, optimizer)` in the function given to `nnx.grad`.
 
     Args:
       model: the NNX module.
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.
       wrt: the filter of variables to optimise, as for `nnx.Optimizer`.
       loss_scale: a loss-scale state, a number, `"dynamic"` or `None`.
-      axis_name: the `shard_map`/`pmap` axis name to agree on skips over, as in
-        `lossscale.wrap`.
-      clip_norm: the global norm to clip the unscaled gradients to, in the
-        finiteness check's pass, as in `lossscale.wrap`.
+      axis_name: as in `lossscale.wrap`.
+      clip_norm: as in `lossscale.wrap`.
       **kwargs: passed on to `nnx.Optimizer` (e.g. `graph=`).
 
     Raises:
       TypeError: if `tx`, `loss_scale`, `axis_name` or `clip_norm` is invalid.
-      ValueError: if `tx` is wrapped with `lossscale.wrap` already, or
-        `clip_norm` is not positive.
+      ValueError: if `tx` is wrapped already, or `clip_norm` is not positive.
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> import optax
+      >>> import jax.numpy as jnp, optax, lossscale, lossscale.flax
       >>> from flax import nnx
-      >>> import lossscale
-      >>> import lossscale.flax
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> optimizer = lossscale.flax.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
       >>> @nnx.jit

@@ -21,19 +21,12 @@ def value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
     """Like `jax.value_and_grad`, but differentiates the loss times the loss scale.
 
-    The returned function is called as `g(loss_scale, *args, **kwargs)`: its first
-    argument is the loss-scale state (or an optimizer state or train state holding
-    one; a number, "dynamic" or None is refused, see `lossscale.scale_loss`), the
-    others are `fun`'s own, and `argnums` counts within those, as in
-    `jax.value_and_grad`. What is scaled and what is not:
-
-    * the gradients are those of `scale_loss(fun(*args, **kwargs), loss_scale)`:
-      they are multiplied by the scale (with whatever overflow or underflow the
-      backward pass produces at that scale), ready for the `update` of a
-      `lossscale.wrap` optimizer or `lossscale.flax.TrainState.apply_gradients`,
-      which unscale them;
-    * the loss and `aux` are returned exactly as `fun` computed them, unscaled
-      and in their own dtypes.
+    The returned function is called as `g(loss_scale, *args, **kwargs)`: first the
+    loss-scale state (or a tree holding one, as for `lossscale.scale_loss`), then
+    `fun`'s own arguments, which `argnums` counts, as in `jax.value_and_grad`.
+    The gradients are those of `scale_loss(fun(...), loss_scale)`, multiplied by
+    the scale, ready for `wrap`'s `update` or `TrainState.apply_gradients`, which
+    unscale them; the loss and `aux` are returned as `fun` computed them.
 
     Args:
       fun: the loss function; returns a floating-point scalar, or a pair
@@ -54,9 +47,7 @@ def value_and_grad(
       ValueError: if `argnums` is empty or has a negative entry.
 
     Examples:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import lossscale
+      >>> import jax, jax.numpy as jnp, lossscale
       >>> def loss_fn(w, x):
       ...     return jnp.sum(w * x), {"norm": jnp.linalg.norm(w)}
       >>> grad_fn = jax.jit(lossscale.value_and_grad(loss_fn, has_aux=True))

@@ -30,10 +30,9 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
 
     Args:
       grads: a pytree of floating-point gradients.
-      loss_scale: the scale to evaluate at: a number (a scale to try), `None`
-        (scale 1), or a loss-scale state or a tree holding one (its current
-        scale). Unlike the per-step functions, this asks a question about a
-        scale, so a number is allowed here.
+      loss_scale: the scale to evaluate at: a number (a scale to try: this
+        function asks a question), `None` (1), or a loss-scale state or a tree
+        holding one (its current scale).
 
     Returns:
       A dict with the overall figures and, under `"leaves"`, the same figures per
@@ -55,15 +54,13 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
         `jax.experimental.sparse` array, or `loss_scale` is none of the above.
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> import lossscale
+      >>> import jax.numpy as jnp, lossscale
       >>> grads = {"w": jnp.array([1e-9, 0.0, 2.0, 3e-6])}
       >>> stats = lossscale.grad_stats(grads)
       >>> print(stats["zero_fraction"], stats["underflow_fraction"])
       0.25 0.25
-      >>> stats = lossscale.grad_stats(grads, 1024)
-      >>> print(stats["underflow_fraction"], round(float(stats["headroom_bits"]), 3))
-      0.0 4.999
+      >>> print(lossscale.grad_stats(grads, 1024)["underflow_fraction"])
+      0.0
     """
     checks.refuse_sparse(grads, "grads")
     scale = _scale_to_evaluate_at(loss_scale)

@@ -93,39 +93,32 @@ class DynamicLossScale(LossScale, kind="dynamic"):
 
     * finite step: `counter += 1`; when `counter` reaches `growth_interval`,
       `scale = min(scale * growth_factor, max_scale)` and `counter = 0`.
-    * non-finite step (the update is skipped): `counter = 0`, and once `hysteresis`
-      non-finite steps have happened since the last growth, every further one backs
-      off, `scale = max(scale * backoff_factor, min_scale)` (Megatron-LM's
-      hysteresis).
-    * non-finite loss (a forward overflow, reported with `lossscale.update`'s
-      `loss_finite`): skipped and counted, but the rule's fields stay as they are.
+    * non-finite step (skipped): `counter = 0`; once `hysteresis` such steps have
+      happened since the last growth, each backs off, `scale = max(scale *
+      backoff_factor, min_scale)` (Megatron-LM's hysteresis).
+    * non-finite loss (a forward overflow): skipped and counted; the rule's
+      fields stay as they are.
 
-    The scale stays within `[min_scale, max_scale]`. Float settings are kept as the
-    float32 values the rule uses: `backoff_factor=0.7` reads back as 0.699999988.
+    Float settings are kept as the float32 values the rule uses (0.7 reads back
+    as 0.699999988).
 
     Args:
-      scale: the current (first) scale, within `[min_scale, max_scale]`; by
-        default 2**15 (TF/Keras' default), moved into `[min_scale, max_scale]`.
-      counter: consecutive finite steps since the scale last grew or since the
-        last non-finite step; 0.
-      overflows_since_growth: non-finite steps since the last growth, capped at
-        `hysteresis`; 0.
-      growth_interval: consecutive finite steps after which the scale grows (TF's
-        `dynamic_growth_steps`); an int >= 1.
+      scale: the first scale; by default 2**15 moved into `[min_scale, max_scale]`.
+      counter: finite steps in a row since the last growth or overflow; 0.
+      overflows_since_growth: overflows since the last growth (<= `hysteresis`).
+      growth_interval: finite steps in a row before the scale grows; int >= 1.
       growth_factor: factor applied on growth; > 1.
       backoff_factor: factor applied on backing off; in (0, 1).
       min_scale: the lowest scale; > 0.
       max_scale: the highest scale; finite in float32 and >= `min_scale`.
-      hysteresis: non-finite steps since the last growth before the scale backs
-        off; an int >= 1.
+      hysteresis: overflows since the last growth before backing off; int >= 1.
 
     Raises:
       TypeError: if a setting has the wrong type.
       ValueError: if a setting is out of range.
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> import lossscale
+      >>> import jax.numpy as jnp, lossscale
       >>> loss_scale = lossscale.DynamicLossScale(scale=8.0, growth_interval=2)
       >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale)  # backed off

@@ -16,9 +16,8 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
     Usable inside `jax.jit`: the values are arrays, nothing is copied to the host.
 
     Args:
-      opt_state_or_loss_scale: a loss-scale state, or an optimizer state or
-        train state (any pytree, e.g. a `lossscale.flax.TrainState` or
-        `lossscale.flax.Optimizer`) holding exactly one.
+      opt_state_or_loss_scale: a loss-scale state, or any pytree holding exactly
+        one (an optimizer state, a `TrainState`, a `lossscale.flax.Optimizer`).
 
     Returns:
       A dict with the same keys for every kind of loss scale:
@@ -31,18 +30,15 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
         non-finite gradients (the ones a lower scale can fix);
       * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
       * `last_finite`: bool, whether the latest step was applied;
-      * `stuck`: bool, whether the latest step overflowed in the backward pass
-        with the scale already at its lowest (`min_scale`, or a static scale):
-        backing off cannot help, and a training loop can stop cleanly on it.
+      * `stuck`: bool, the latest step overflowed in the backward pass with the
+        scale at its lowest: backing off cannot help; a loop can stop on it.
 
     Raises:
       TypeError: if given a spec (a number, "dynamic" or None) instead of a state.
       ValueError: if no loss-scale state, or more than one, is found.
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> import optax
-      >>> import lossscale
+      >>> import jax.numpy as jnp, optax, lossscale
       >>> opt_state = lossscale.wrap(optax.sgd(0.1)).init(jnp.zeros(3))
       >>> for name, value in lossscale.metrics(opt_state).items():
       ...     print(name, value)

@@ -54,76 +54,41 @@ def wrap(
     """Wraps an optax transformation with loss scaling.
 
     The returned transformation's `update` takes the gradients of the *scaled* loss
-    (see `lossscale.scale_loss`). Each step it:
-
-    1. checks, in one pass over the gradients, whether the unscaled gradients are
-       all finite;
-    2. under one `jax.lax.cond`, either runs `inner.update` on the gradients
-       divided by the scale (a float16 gradient of a float32 parameter is
-       unscaled into float32), or skips it: the updates are negative zeros, which
-       `optax.apply_updates` adds without changing any parameter bit, and the
-       inner state comes back untouched, so moments, counts and schedules do not
-       advance;
-    3. updates the loss-scale state with `lossscale.update`; the unscaling used
-       the scale the loss was multiplied by.
-
-    Every kind of loss scale skips non-finite steps, static and no-op included
-    (TF's `FixedLossScale` applies them). Pass the unscaled loss as
-    `update(..., value=loss)` to tell forward from backward overflows: a
-    non-finite `value` skips the step without backing off the scale, and
-    `lossscale.metrics` counts the two apart; `value` also reaches `inner`, like
-    every extra argument. Transformations inside `inner` (e.g.
-    `optax.clip_by_global_norm`) see the unscaled gradients; `clip_norm=c` does
-    what `optax.clip_by_global_norm(c)` first in `inner` would, in the check's
-    pass. The result composes with `optax.chain`, `optax.MultiSteps` and
-    `optax.inject_hyperparams`. Why each step is computed as it is:
-    `docs/design.md`.
-
-    Under `jax.jit` with sharded arrays the decision is global as it is. Inside
-    `shard_map` or `pmap`, pass the mapped axis as `axis_name`: one scalar
-    collective makes every device take the same decision and keep the same
-    loss-scale state.
+    (`lossscale.scale_loss`). Each step checks, in one pass, whether the unscaled
+    gradients are finite; under one `jax.lax.cond` it either runs `inner.update` on
+    them (divided by the scale, into the parameters' dtype) or skips: negative-zero
+    updates, which leave every parameter bit as it is, and the inner state
+    untouched. Then `lossscale.update` moves the loss-scale state. Every kind skips
+    non-finite steps; `update(..., value=loss)` tells forward from backward
+    overflows. It composes with `optax.chain`, `optax.MultiSteps` and
+    `optax.inject_hyperparams` (`docs/guides/wrap.md`; the why: `docs/design.md`).
 
     Args:
-      inner: the optax transformation to wrap (an `optax.MultiSteps` is taken
-        as its `gradient_transformation()`).
-      loss_scale: a loss-scale state, a number (a static scale), `"dynamic"` (a
-        default `DynamicLossScale()`) or `None` (no scaling).
-      axis_name: a `shard_map`/`pmap` axis name (or tuple of names) to agree on
-        the skip decision over; None under plain `jax.jit`.
-      clip_norm: None, or the global norm to clip the unscaled gradients to
-        before `inner`. A scaled float32 gradient whose square overflows (above
-        1.8e19) counts as an overflow, and the scale backs off.
+      inner: the optax transformation (an `optax.MultiSteps` counts micro-steps).
+      loss_scale: a loss-scale state, a number (static), `"dynamic"` or `None`.
+      axis_name: inside `shard_map`/`pmap`, the mapped axis (or a tuple of them)
+        that the decision is agreed over, in one scalar collective.
+      clip_norm: None, or clip the unscaled gradients to this global norm before
+        `inner`, as `optax.clip_by_global_norm` would, in the check's pass.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a `WrapState`.
 
     Raises:
-      TypeError: if `inner` is not an optax transformation, `loss_scale` is not
-        one of the above, `axis_name` is not a str or a tuple of str, or
-        `clip_norm` is not a number.
-      ValueError: if `loss_scale` is an unknown string or an invalid number, or
-        `clip_norm` is not positive and finite. The transformation's `init`
-        raises `ValueError` if `inner` is already wrapped; its `update` raises
-        `TypeError` for non-float gradients and `ValueError` for gradients whose
-        tree differs from `params`.
+      TypeError: if an argument has the wrong type; `update`, for gradients that
+        are not floating point.
+      ValueError: if `loss_scale` or `clip_norm` is out of range; `init`, if
+        `inner` is wrapped already; `update`, for gradients whose tree differs
+        from `params`.
 
     Examples:
-      >>> import jax
-      >>> import jax.numpy as jnp
-      >>> import optax
-      >>> import lossscale
+      >>> import jax, jax.numpy as jnp, optax, lossscale
       >>> tx = lossscale.wrap(optax.sgd(0.25))
       >>> params = jnp.array(1.0)
       >>> opt_state = tx.init(params)
-      >>> @jax.jit
-      ... def step(params, opt_state):
-      ...     loss_fn = lambda p: lossscale.scale_loss(p**2, opt_state)
-      ...     grads = jax.grad(loss_fn)(params)
-      ...     updates, opt_state = tx.update(grads, opt_state, params)
-      ...     return optax.apply_updates(params, updates), opt_state
-      >>> params, opt_state = step(params, opt_state)
-      >>> print(params)
+      >>> grads = jax.grad(lambda p: lossscale.scale_loss(p**2, opt_state))(params)
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> print(optax.apply_updates(params, updates))
       0.5
     """
     accumulates = isinstance(inner, optax.MultiSteps)
