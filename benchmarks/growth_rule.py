@@ -55,10 +55,6 @@ class HeadroomLossScale(lossscale.LossScale, kind="benchmarks.headroom"):
         if self.safe is None:
             object.__setattr__(self, "safe", self.scale)
 
-    @property
-    def lowest_scale(self):
-        return self.min_scale
-
     def adjust(self, grads_finite):
         tiny = jnp.float32(2.0**-126)
         bits = jnp.floor(jnp.log2(F16_MAX / jnp.maximum(self.observed, tiny)))

@@ -58,7 +58,7 @@ class DoublingLossScale(lossscale.LossScale):
     cap: float = lossscale.field(static=True, default=2.0**10)
 
     @property
-    def lowest_scale(self):
+    def min_scale(self):
         return self.floor
 
     def adjust(self, grads_finite):
@@ -272,7 +272,7 @@ def test_metrics_and_lookup_read_a_custom_kind():
     assert not bool(metrics["last_finite"])
 
 
-def test_stuck_uses_the_kinds_lowest_scale():
+def test_stuck_uses_the_kinds_min_scale():
     state = DoublingLossScale(2.0, floor=1.0)
     state = lossscale.update(state, jnp.asarray(False))  # 2 -> 1: not stuck yet
     assert not bool(state.stuck) and float(state.scale) == 1.0
@@ -538,9 +538,9 @@ def test_fields_need_a_numeric_dtype_jax_keeps_and_a_shape_tuple():
         (
             {
                 "scale": lossscale.field(dtype=jnp.float32, default=1.0),
-                "lowest_scale": property(lambda self: self.scale),
+                "min_scale": property(lambda self: self.scale),
             },
-            "lowest_scale` must be a static Python float",
+            "min_scale` must be a static Python float",
         ),
     ],
 )
@@ -590,7 +590,7 @@ def test_kinds_made_by_one_function_are_not_confused():
 def test_a_nan_scale_is_stuck_and_a_zero_scale_keeps_nan_out():
     class Broken(lossscale.LossScale):
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
-        lowest_scale = 1.0
+        min_scale = 1.0
 
         def adjust(self, grads_finite):
             return self  # never moves: the test sets the scale

@@ -32,7 +32,7 @@ class LossScale:
     * `scale`: the current loss scale, a float32 scalar (a field or a property);
     * `adjust(grads_finite)`: the rule, returning `self.replace(...)`, without
       Python branches on arrays (it runs under `jax.jit`);
-    * optionally `lowest_scale` and `highest_scale`, static Python floats
+    * optionally `min_scale` and `max_scale`, static Python floats
       (defaults 0.0 and inf, "unknown"): `stuck` and the finiteness check use
       them, and where both are 1 the scale is a no-op;
     * optionally `__post_init__` to check or derive settings (set them with
@@ -109,15 +109,10 @@ class LossScale:
         """
         raise NotImplementedError(f"`{type(self).__name__}` must define `adjust`.")
 
-    @property
-    def lowest_scale(self) -> float:
-        """The smallest scale this state can ever have: a static Python float."""
-        return 0.0
-
-    @property
-    def highest_scale(self) -> float:
-        """The largest scale this state can ever have: a static Python float."""
-        return float("inf")
+    # The bounds of the scale: static Python floats, 0 and inf ("unknown") unless
+    # a kind says (a setting, a property or a class attribute of that name).
+    min_scale = 0.0
+    max_scale = float("inf")
 
     # -- building and reading states ---------------------------------------------
 

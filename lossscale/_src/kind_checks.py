@@ -15,10 +15,7 @@ import jax.numpy as jnp
 from lossscale._src import fields
 
 # Names a kind may not use for a field: the base class's own attributes.
-RESERVED = frozenset(
-    {"kind", "adjust", "replace", "get_config", "from_config"}
-    | {"lowest_scale", "highest_scale"}
-)
+RESERVED = frozenset({"kind", "adjust", "replace", "get_config", "from_config"})
 
 
 def check_class(cls: type, base: type) -> None:
@@ -100,7 +97,7 @@ def finish(state: Any) -> None:
             f"`{name}.scale` must be a float32 scalar array, got {scale.dtype}"
             f" of shape {scale.shape}; the loss is multiplied by it."
         )
-    for bound in ("lowest_scale", "highest_scale"):
+    for bound in ("min_scale", "max_scale"):
         value = getattr(state, bound)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(

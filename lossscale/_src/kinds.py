@@ -31,8 +31,8 @@ class NoOpLossScale(LossScale, kind="none"):
       1.0
     """
 
-    lowest_scale = 1.0
-    highest_scale = 1.0
+    min_scale = 1.0
+    max_scale = 1.0
 
     @property
     def scale(self) -> jax.Array:
@@ -75,11 +75,11 @@ class StaticLossScale(LossScale, kind="static"):
         return jnp.asarray(self.value, jnp.float32)
 
     @property
-    def lowest_scale(self) -> float:
+    def min_scale(self) -> float:
         return self.value
 
     @property
-    def highest_scale(self) -> float:
+    def max_scale(self) -> float:
         return self.value
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
@@ -174,14 +174,6 @@ class DynamicLossScale(LossScale, kind="dynamic"):
                 )
         for name, value in {**settings, "scale": scale}.items():
             object.__setattr__(self, name, value)
-
-    @property
-    def lowest_scale(self) -> float:
-        return self.min_scale
-
-    @property
-    def highest_scale(self) -> float:
-        return self.max_scale
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         counter = self.counter + 1

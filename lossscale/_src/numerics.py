@@ -24,7 +24,7 @@ def always_one(state: LossScale) -> bool:
 
     Such a scale (`NoOpLossScale`) leaves losses and gradients untouched.
     """
-    return state.lowest_scale == 1.0 and state.highest_scale == 1.0
+    return state.min_scale == 1.0 and state.max_scale == 1.0
 
 
 def wide_dtype(dtype: Any) -> jnp.dtype:
@@ -60,12 +60,12 @@ def finite_after_unscaling(
     Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
     they are; below 1 it reduces the unscaled values, inf where they overflow.
     """
-    if state.lowest_scale < 1.0:
+    if state.min_scale < 1.0:
         return all_finite_leaves(_quotient_leaves(grads, state, params))
     finite = all_finite_leaves(jax.tree.leaves(grads))
-    if state.lowest_scale == state.highest_scale:  # a constant, checked when built
+    if state.min_scale == state.max_scale:  # a constant, checked when built
         return finite
-    # A rule that breaks its own `lowest_scale` (a scale of 0) would put 0 * inf
+    # A rule that breaks its own `min_scale` (a scale of 0) would put 0 * inf
     # into the parameters: one scalar keeps that step out.
     return finite & jnp.isfinite(reciprocal(state))
 
@@ -77,7 +77,7 @@ def norm_after_unscaling(grads: Any, state: LossScale, params: Any = None) -> ja
     finiteness check. For scales >= 1 the squares are summed in the scaled
     domain, then the root is multiplied by `1 / scale` (design.md, Clipping).
     """
-    if state.lowest_scale < 1.0:
+    if state.min_scale < 1.0:
         return jnp.sqrt(_sum_of_squares(_quotient_leaves(grads, state, params)))
     wide = [g.astype(wide_dtype(g.dtype)) for g in jax.tree.leaves(grads)]
     return jnp.sqrt(_sum_of_squares(wide)) * reciprocal(state)

@@ -83,7 +83,7 @@ def update(
             optax.safe_increment(loss_scale.forward_overflows),
         ),
         # `~(scale > lowest)`, not `scale <= lowest`: a NaN scale is stuck too.
-        stuck=backward_overflow & ~(loss_scale.scale > loss_scale.lowest_scale),
+        stuck=backward_overflow & ~(loss_scale.scale > loss_scale.min_scale),
     )
 
 
