@@ -42,7 +42,7 @@ class AddOneLossScale(lossscale.LossScale, kind="tests.add_one"):
 
     scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0, kw_only=False)
 
-    def adjust(self, grads_finite):
+    def rule(self, grads_finite):
         return self.replace(scale=self.scale + jnp.where(grads_finite, 1.0, -1.0))
 
 
@@ -61,7 +61,7 @@ class DoublingLossScale(lossscale.LossScale):
     def min_scale(self):
         return self.floor
 
-    def adjust(self, grads_finite):
+    def rule(self, grads_finite):
         run = jnp.where(grads_finite, self.finite_run + 1, 0)
         grow = run >= self.period
         scale = jnp.where(
@@ -180,7 +180,7 @@ def test_tf_contrib_manager_with_apply_gradients_and_train_states():
 
 
 class DoublingMachine(RuleBasedStateMachine):
-    """Random steps through `lossscale.update` under jit, against the model."""
+    """Random steps through `lossscale.adjust` under jit, against the model."""
 
     @initialize(initial=st.sampled_from([1.0, 4.0, 64.0]), period=st.integers(1, 3))
     def start(self, initial, period):
@@ -206,7 +206,7 @@ class DoublingMachine(RuleBasedStateMachine):
         assert bool(state.stuck) == ref.stuck
 
 
-JITTED_UPDATE = jax.jit(lossscale.update)
+JITTED_UPDATE = jax.jit(lossscale.adjust)
 TestDoublingMachine = DoublingMachine.TestCase
 
 
@@ -216,7 +216,7 @@ def test_a_custom_kind_compiles_once_and_keeps_its_layout():
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(state, finite):
-        return lossscale.update(state, finite)
+        return lossscale.adjust(state, finite)
 
     state = DoublingLossScale()
     for finite in [True, False, True, True, False, True]:
@@ -232,7 +232,7 @@ def test_a_custom_kind_compiles_once_and_keeps_its_layout():
     "state", [AddOneLossScale(3.0), DoublingLossScale(8.0, period=3)]
 )
 def test_custom_kinds_round_trip_config_pickle_and_copies(state):
-    state = lossscale.update(state, jnp.asarray(False))
+    state = lossscale.adjust(state, jnp.asarray(False))
     saved = json.loads(json.dumps(state.get_config()))
     rebuilt = lossscale.LossScale.from_config(saved)
     assert type(rebuilt) is type(state) and rebuilt.get_config() == saved
@@ -274,14 +274,14 @@ def test_metrics_and_lookup_read_a_custom_kind():
 
 def test_stuck_uses_the_kinds_min_scale():
     state = DoublingLossScale(2.0, floor=1.0)
-    state = lossscale.update(state, jnp.asarray(False))  # 2 -> 1: not stuck yet
+    state = lossscale.adjust(state, jnp.asarray(False))  # 2 -> 1: not stuck yet
     assert not bool(state.stuck) and float(state.scale) == 1.0
-    state = lossscale.update(state, jnp.asarray(False))  # at the floor: stuck
+    state = lossscale.adjust(state, jnp.asarray(False))  # at the floor: stuck
     assert bool(state.stuck)
     # A kind that does not say how low it goes is stuck once its scale is 0.
-    state = lossscale.update(AddOneLossScale(1.0), jnp.asarray(False))
+    state = lossscale.adjust(AddOneLossScale(1.0), jnp.asarray(False))
     assert not bool(state.stuck) and float(state.scale) == 0.0
-    assert bool(lossscale.update(state, jnp.asarray(False)).stuck)
+    assert bool(lossscale.adjust(state, jnp.asarray(False)).stuck)
 
 
 def test_orbax_resumes_a_custom_kind_bit_identically(tmp_path):
@@ -340,7 +340,7 @@ def test_shard_map_with_axis_name_agrees_for_a_custom_kind(mesh):  # noqa: F811
 def test_states_compare_by_value(state):
     assert jax.tree.map(lambda x: x, state) == state
     assert pickle.loads(pickle.dumps(state)) == state
-    stepped = lossscale.update(state, jnp.asarray(False))
+    stepped = lossscale.adjust(state, jnp.asarray(False))
     assert stepped != state  # the counters moved
     assert state != AddOneLossScale()
     assert (state == 1.0) is False
@@ -374,35 +374,35 @@ def test_replace_checks_names_dtypes_and_shapes():
     assert int(state.replace(finite_run=2).finite_run) == 2  # a Python int is cast
 
 
-def test_adjust_must_return_the_same_kind_and_settings():
+def test_a_rule_must_return_the_same_kind_and_settings():
     class Wrong(lossscale.LossScale):
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
 
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return lossscale.StaticLossScale(2.0)
 
-    with pytest.raises(TypeError, match="`Wrong.adjust` must return a `Wrong`"):
-        lossscale.update(Wrong(), jnp.asarray(True))
+    with pytest.raises(TypeError, match="`Wrong.rule` must return a `Wrong`"):
+        lossscale.adjust(Wrong(), jnp.asarray(True))
 
 
 def test_a_rule_must_keep_each_fields_shape():
     # Through `replace`, refused where it is made; through the constructor (which
-    # takes a leading batch shape), refused by `update`.
+    # takes a leading batch shape), refused by `adjust`.
     class Widening(lossscale.LossScale):
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
         run: jax.Array = lossscale.field(dtype=jnp.int32, default=0)
 
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return self.replace(scale=jnp.full((3,), self.scale))
 
     class Rebuilding(Widening):
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return Rebuilding(scale=self.scale, run=jnp.zeros(3, jnp.int32))
 
     with pytest.raises(ValueError, match=r"field `scale` has shape \(\), got.*\(3,\)"):
-        lossscale.update(Widening(), jnp.asarray(True))
+        lossscale.adjust(Widening(), jnp.asarray(True))
     with pytest.raises(TypeError, match=r"changed field `run` from int32\[\] to"):
-        lossscale.update(Rebuilding(), jnp.asarray(True))
+        lossscale.adjust(Rebuilding(), jnp.asarray(True))
 
 
 def test_a_custom_init_is_refused_at_class_creation():
@@ -414,7 +414,7 @@ def test_a_custom_init_is_refused_at_class_creation():
             def __init__(self):
                 pass
 
-            def adjust(self, grads_finite):
+            def rule(self, grads_finite):
                 return self
 
 
@@ -422,7 +422,7 @@ def test_an_array_field_without_a_value_says_so():
     class Empty(lossscale.LossScale):
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=None)
 
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return self
 
     with pytest.raises(TypeError, match="field `scale` has no value"):
@@ -439,7 +439,7 @@ def test_an_array_field_without_a_value_says_so():
 
 
 def test_a_kind_without_scale_or_rule_is_refused_at_class_creation():
-    with pytest.raises(TypeError, match="must define `adjust"):
+    with pytest.raises(TypeError, match="must define `rule"):
 
         class NoRule(lossscale.LossScale):
             scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
@@ -447,12 +447,12 @@ def test_a_kind_without_scale_or_rule_is_refused_at_class_creation():
     with pytest.raises(TypeError, match="must define `scale`"):
 
         class NoScale(lossscale.LossScale):
-            def adjust(self, grads_finite):
+            def rule(self, grads_finite):
                 return self
 
 
 def _kind(annotations, body):
-    body = {"adjust": lambda self, grads_finite: self, **body}
+    body = {"rule": lambda self, grads_finite: self, **body}
     return type("Bad", (lossscale.LossScale,), {"__annotations__": annotations, **body})
 
 
@@ -497,7 +497,7 @@ def test_settings_must_be_static_python_values():
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
         value: object = lossscale.field(static=True, default=None)
 
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return self
 
     with pytest.raises(TypeError, match="setting `value` must be a Python value"):
@@ -557,7 +557,7 @@ def test_private_and_public_settings_round_trip_apart():
         floor: float = lossscale.field(static=True, default=2.0)
         milestones: tuple = lossscale.field(static=True, default=())
 
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return self
 
     state = Floors(_floor=3.0, floor=4.0, milestones=(10, 20))
@@ -576,7 +576,7 @@ def test_kinds_made_by_one_function_are_not_confused():
         class Stepper(lossscale.LossScale):
             scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0)
 
-            def adjust(self, grads_finite):
+            def rule(self, grads_finite):
                 return self.replace(scale=self.scale + step)
 
         return Stepper
@@ -592,10 +592,10 @@ def test_a_nan_scale_is_stuck_and_a_zero_scale_keeps_nan_out():
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
         min_scale = 1.0
 
-        def adjust(self, grads_finite):
+        def rule(self, grads_finite):
             return self  # never moves: the test sets the scale
 
-    state = lossscale.update(Broken(scale=jnp.nan), jnp.asarray(False))
+    state = lossscale.adjust(Broken(scale=jnp.nan), jnp.asarray(False))
     assert bool(state.stuck)
     tx = lossscale.wrap(optax.sgd(0.1), Broken(scale=0.0))
     params = jnp.ones(3)

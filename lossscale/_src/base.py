@@ -30,7 +30,7 @@ class LossScale:
 
     * its fields, each with a default if `from_config` is to build it;
     * `scale`: the current loss scale, a float32 scalar (a field or a property);
-    * `adjust(grads_finite)`: the rule, returning `self.replace(...)`, without
+    * `rule(grads_finite)`: the rule, returning `self.replace(...)`, without
       Python branches on arrays (it runs under `jax.jit`);
     * optionally `min_scale` and `max_scale`, static Python floats
       (defaults 0.0 and inf, "unknown"): `stuck` and the finiteness check use
@@ -38,7 +38,7 @@ class LossScale:
     * optionally `__post_init__` to check or derive settings (set them with
       `object.__setattr__`, as in any frozen dataclass).
 
-    Every state has the counters the library keeps through `lossscale.update`:
+    Every state has the counters the library keeps through `lossscale.adjust`:
     `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32) and
     `stuck` (bool); see the design note (`docs/design.md`, "States").
 
@@ -50,11 +50,11 @@ class LossScale:
       >>> import lossscale
       >>> class AddOne(lossscale.LossScale, kind="doctest.add_one"):
       ...     scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0)
-      ...     def adjust(self, grads_finite):
+      ...     def rule(self, grads_finite):
       ...         return self.replace(scale=self.scale + jnp.where(grads_finite, 1, -1))
       >>> state = AddOne()
       >>> for finite in [False, False, True]:
-      ...     state = lossscale.update(state, jnp.array(finite))
+      ...     state = lossscale.adjust(state, jnp.array(finite))
       >>> print(state.scale, state.skipped_steps)
       7.0 2
       >>> paths = jax.tree_util.tree_leaves_with_path(state)
@@ -96,10 +96,10 @@ class LossScale:
 
     # -- what a kind defines -----------------------------------------------------
 
-    def adjust(self, grads_finite: jax.Array) -> LossScale:
+    def rule(self, grads_finite: jax.Array) -> LossScale:
         """The kind's rule: this state after a step whose loss was finite.
 
-        Called by `lossscale.update`, which also counts the skipped steps; call
+        Called by `lossscale.adjust`, which also counts the skipped steps; call
         that, not this. It runs under `jax.jit` and must return a state of the
         same kind, settings, dtypes and shapes, e.g. `self.replace(...)`.
 
@@ -107,7 +107,7 @@ class LossScale:
           grads_finite: bool scalar array, whether every gradient was finite (the
             step was applied) or not (it was skipped).
         """
-        raise NotImplementedError(f"`{type(self).__name__}` must define `adjust`.")
+        raise NotImplementedError(f"`{type(self).__name__}` must define `rule`.")
 
     # The bounds of the scale: static Python floats, 0 and inf ("unknown") unless
     # a kind says (a setting, a property or a class attribute of that name).

@@ -66,7 +66,7 @@ def field(
       >>> class Halving(lossscale.LossScale, kind="doctest.halving"):
       ...     scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1024.0)
       ...     floor: float = lossscale.field(static=True, default=1.0)
-      ...     def adjust(self, grads_finite):
+      ...     def rule(self, grads_finite):
       ...         halved = jnp.maximum(self.scale / 2, self.floor)
       ...         return self.replace(scale=jnp.where(grads_finite, self.scale, halved))
       >>> state = Halving(scale=8.0)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from lossscale._src import fields
 
 # Names a kind may not use for a field: the base class's own attributes.
-RESERVED = frozenset({"kind", "adjust", "replace", "get_config", "from_config"})
+RESERVED = frozenset({"kind", "rule", "replace", "get_config", "from_config"})
 
 
 def check_class(cls: type, base: type) -> None:
@@ -25,7 +25,7 @@ def check_class(cls: type, base: type) -> None:
         if name in own:
             raise TypeError(
                 f"`{cls.__name__}` declares `{name}`, a counter every state has and"
-                " `lossscale.update` keeps; choose another name."
+                " `lossscale.adjust` keeps; choose another name."
             )
     for f in dataclasses.fields(cls):
         if fields.METADATA_KEY not in f.metadata:
@@ -46,8 +46,8 @@ def check_class(cls: type, base: type) -> None:
             f"`{cls.__name__}.scale` must be a float32 scalar array, got a field of"
             f" {spec.dtype} and shape {spec.shape}; the loss is multiplied by it."
         )
-    if cls.adjust is base.adjust:
-        raise TypeError(f"`{cls.__name__}` must define `adjust(self, grads_finite)`.")
+    if cls.rule is base.rule:
+        raise TypeError(f"`{cls.__name__}` must define `rule(self, grads_finite)`.")
     if not hasattr(cls, "scale") and "scale" not in {
         f.name for f in dataclasses.fields(cls)
     }:

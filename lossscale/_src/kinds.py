@@ -38,7 +38,7 @@ class NoOpLossScale(LossScale, kind="none"):
     def scale(self) -> jax.Array:
         return jnp.ones([], jnp.float32)
 
-    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
+    def rule(self, grads_finite: jax.Array) -> NoOpLossScale:
         return self
 
 
@@ -82,7 +82,7 @@ class StaticLossScale(LossScale, kind="static"):
     def max_scale(self) -> float:
         return self.value
 
-    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
+    def rule(self, grads_finite: jax.Array) -> StaticLossScale:
         return self
 
 
@@ -120,11 +120,11 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     Examples:
       >>> import jax.numpy as jnp, lossscale
       >>> loss_scale = lossscale.DynamicLossScale(scale=8.0, growth_interval=2)
-      >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
+      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale)  # backed off
       4.0
-      >>> loss_scale = lossscale.update(loss_scale, jnp.array(True))
-      >>> loss_scale = lossscale.update(loss_scale, jnp.array(True))
+      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(True))
+      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(True))
       >>> print(loss_scale.scale)  # grew after 2 finite steps
       8.0
     """
@@ -175,7 +175,7 @@ class DynamicLossScale(LossScale, kind="dynamic"):
         for name, value in {**settings, "scale": scale}.items():
             object.__setattr__(self, name, value)
 
-    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
+    def rule(self, grads_finite: jax.Array) -> DynamicLossScale:
         counter = self.counter + 1
         grow = grads_finite & (counter >= self.growth_interval)
         overflows = jnp.where(

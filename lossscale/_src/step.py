@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from lossscale._src import checks
 from lossscale._src import numerics
+from lossscale._src.adjust import adjust
 from lossscale._src.base import LossScale
-from lossscale._src.update import update
 
 
 def guarded_step(
@@ -90,7 +90,7 @@ def guarded_step(
 
     operands = (grads, carry)
     output, carry = jax.lax.cond(applied, apply_branch, skip_branch, operands)
-    return output, carry, update(loss_scale, grads_finite, loss_finite), applied
+    return output, carry, adjust(loss_scale, grads_finite, loss_finite), applied
 
 
 def _finite_flags(

@@ -1,4 +1,4 @@
-"""`update`: the next loss-scale state: the kind's rule and the library's counters."""
+"""`adjust`: the next loss-scale state: the kind's rule and the library's counters."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from lossscale._src import checks
 from lossscale._src.base import LossScale
 
 
-def update(
+def adjust(
     loss_scale: LossScale,
     grads_finite: jax.typing.ArrayLike,
     loss_finite: jax.typing.ArrayLike = True,
 ) -> LossScale:
     """Returns the next loss-scale state after a step.
 
-    Usable inside `jax.jit`; branch-free. The kind's rule (`adjust`; for a
+    Usable inside `jax.jit`; branch-free. The kind's `rule` (for a
     `DynamicLossScale` the growth/back-off rule) sees the steps whose loss was
     finite; every kind counts the skipped steps. The step is applied when both
     `grads_finite` and `loss_finite` hold; the caller must skip it otherwise.
@@ -37,7 +37,7 @@ def update(
 
     Raises:
       TypeError: if `loss_scale` is not a loss-scale state, `grads_finite` or
-        `loss_finite` is not boolean, or the kind's `adjust` returns something
+        `loss_finite` is not boolean, or the kind's `rule` returns something
         other than a state of the same kind, settings and leaf types.
       ValueError: if `grads_finite` or `loss_finite` is not a scalar.
 
@@ -45,7 +45,7 @@ def update(
       >>> import jax.numpy as jnp
       >>> import lossscale
       >>> loss_scale = lossscale.DynamicLossScale(scale=2.0**15)
-      >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
+      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale, loss_scale.skipped_steps)
       16384.0 1
     """
@@ -57,12 +57,12 @@ def update(
         )
     grads_finite = checks.as_predicate("grads_finite", grads_finite)
     loss_finite = checks.as_predicate("loss_finite", loss_finite)
-    adjusted = _adjusted(loss_scale, grads_finite)
+    ruled = _ruled(loss_scale, grads_finite)
     applied = grads_finite & loss_finite
     backward_overflow = loss_finite & ~grads_finite
     # A forward overflow keeps the rule's fields: the scale did not cause it.
     rule_fields = {
-        name: jnp.where(loss_finite, getattr(adjusted, name), getattr(loss_scale, name))
+        name: jnp.where(loss_finite, getattr(ruled, name), getattr(loss_scale, name))
         for name in base.rule_fields(type(loss_scale))
     }
     return loss_scale.replace(
@@ -87,27 +87,27 @@ def update(
     )
 
 
-def _adjusted(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
-    """The kind's `adjust`, checked to return a state of the same type and layout."""
-    adjusted = loss_scale.adjust(grads_finite)
+def _ruled(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
+    """The kind's `rule`, checked to return a state of the same type and layout."""
+    ruled = loss_scale.rule(grads_finite)
     kind = type(loss_scale).__name__
-    if type(adjusted) is not type(loss_scale):
+    if type(ruled) is not type(loss_scale):
         raise TypeError(
-            f"`{kind}.adjust` must return a `{kind}` (e.g. `self.replace(...)`), got"
-            f" {type(adjusted).__name__}."
+            f"`{kind}.rule` must return a `{kind}` (e.g. `self.replace(...)`), got"
+            f" {type(ruled).__name__}."
         )
-    if jax.tree.structure(adjusted) != jax.tree.structure(loss_scale):
+    if jax.tree.structure(ruled) != jax.tree.structure(loss_scale):
         raise TypeError(
-            f"`{kind}.adjust` returned a state with other settings; it must keep"
+            f"`{kind}.rule` returned a state with other settings; it must keep"
             " them (return `self.replace(...)`)."
         )
     for name in base.rule_fields(type(loss_scale)):
-        old, new = getattr(loss_scale, name), getattr(adjusted, name)
+        old, new = getattr(loss_scale, name), getattr(ruled, name)
         if (jnp.shape(new), jnp.result_type(new)) != (jnp.shape(old), old.dtype):
             raise TypeError(
-                f"`{kind}.adjust` changed field `{name}` from {old.dtype}"
+                f"`{kind}.rule` changed field `{name}` from {old.dtype}"
                 f"{list(jnp.shape(old))} to {jnp.result_type(new)}"
                 f"{list(jnp.shape(new))}; a rule must keep each field's dtype and"
                 " shape (the state is compiled into the step)."
             )
-    return adjusted
+    return ruled
