@@ -10,20 +10,20 @@ Subclass `LossScale` to define a kind of loss scale of your own.
 from lossscale._src.adjust import adjust
 from lossscale._src.apply import apply_gradients
 from lossscale._src.base import LossScale
-from lossscale._src.config import check_config
+from lossscale._src.checkpoints import check_config
+from lossscale._src.checkpoints import checkpoint_0_2_layout
+from lossscale._src.checkpoints import from_checkpoint_0_2
+from lossscale._src.diagnostics import grad_stats
+from lossscale._src.diagnostics import metrics
 from lossscale._src.fields import field
 from lossscale._src.functional import all_finite
 from lossscale._src.functional import scale_loss
 from lossscale._src.functional import unscale_grads
 from lossscale._src.grad import value_and_grad
-from lossscale._src.grad_stats import grad_stats
 from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
-from lossscale._src.legacy import checkpoint_0_2_layout
-from lossscale._src.legacy import from_checkpoint_0_2
 from lossscale._src.lookup import get_loss_scale
-from lossscale._src.metrics import metrics
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
 

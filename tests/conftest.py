@@ -1,4 +1,4 @@
-"""Test configuration and helpers: deterministic hypothesis runs, tree equality."""
+"""Test configuration and fixtures: eight CPU devices, deterministic hypothesis runs."""
 
 import os
 
@@ -11,8 +11,11 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from helpers import DEVICES  # noqa: E402
+from helpers import tree_equal  # noqa: E402
 from hypothesis import HealthCheck  # noqa: E402
 from hypothesis import settings  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 # Examples are fixed per run (no flaky CI); jit compiles make timing deadlines moot.
 settings.register_profile(
@@ -23,19 +26,6 @@ settings.register_profile(
     max_examples=int(os.environ.get("LOSSSCALE_HYPOTHESIS_EXAMPLES", "40")),
 )
 settings.load_profile("lossscale")
-
-
-def tree_equal(a, b):
-    """True when two pytrees have the same structure and bit-identical leaves."""
-    leaves_a, def_a = jax.tree.flatten(a)
-    leaves_b, def_b = jax.tree.flatten(b)
-    if def_a != def_b:
-        return False
-    return all(
-        np.asarray(x).dtype == np.asarray(y).dtype
-        and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-        for x, y in zip(leaves_a, leaves_b, strict=True)
-    )
 
 
 @pytest.fixture
@@ -51,3 +41,9 @@ def assert_tree_equal():
         assert tree_equal(a, b), f"trees differ:\n{a}\n{b}"
 
     return check
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A mesh of the eight simulated CPU devices, one axis `data`."""
+    return Mesh(np.array(DEVICES[:8]), ("data",))

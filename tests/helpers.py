@@ -1,9 +1,22 @@
-"""Helpers shared by several test modules."""
+"""Helpers shared by the tests.
 
+Tree comparisons, small models and steps, XLA figures, per-device trees, the
+pure-Python reference of the dynamic rule, and the runner of Markdown code blocks.
+"""
+
+import contextlib
+import io
+import re
+
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 import lossscale
+import lossscale.flax
 
 
 def scaled_loss_step(tx, loss_fn):
@@ -18,3 +31,235 @@ def scaled_loss_step(tx, loss_fn):
         return optax.apply_updates(params, updates), opt_state
 
     return step
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), labels
+    ).mean()
+
+
+def bitwise_equal(a, b):
+    """Like `tree_equal`, but also tells -0.0 from +0.0."""
+    leaves_a, def_a = jax.tree.flatten(a)
+    leaves_b, def_b = jax.tree.flatten(b)
+    return def_a == def_b and all(
+        np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dense = dict(dtype=jnp.float16, param_dtype=jnp.float32)
+        x = nn.relu(nn.Dense(128, **dense)(x))
+        x = nn.relu(nn.Dense(128, **dense)(x))
+        return nn.Dense(10, **dense)(x)
+
+
+def linen_state(loss_scale="dynamic", tx=None):
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+    return lossscale.flax.TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=tx or optax.adam(1e-3),
+        loss_scale=loss_scale,
+    )
+
+
+@jax.jit
+def linen_step(state, x, y):
+    def loss_fn(params):
+        return cross_entropy(state.apply_fn({"params": params}, x), y)
+
+    loss, grads = lossscale.value_and_grad(loss_fn)(state, state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def save(directory, step, state):
+    with ocp.CheckpointManager(directory) as manager:
+        manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                loss_scale=ocp.args.JsonSave(state.loss_scale.get_config()),
+            ),
+        )
+        manager.wait_until_finished()
+
+
+def restore(directory, step, target):
+    with ocp.CheckpointManager(directory) as manager:
+        saved = manager.restore(
+            step, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore())
+        ).loss_scale
+        lossscale.check_config(saved, target)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        return manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        ).state
+
+
+def params_tree():
+    return {
+        "w": jnp.asarray(np.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.float32),
+        "b": jnp.asarray([0.5, -0.25, 0.125], jnp.float32),
+    }
+
+
+def grads_like(params, seed, scale=1.0, bad=None):
+    rng = np.random.default_rng(seed)
+    grads = jax.tree.map(
+        lambda p: jnp.asarray(rng.standard_normal(p.shape) * scale, p.dtype), params
+    )
+    if bad is not None:
+        grads["w"] = grads["w"].at[1, 2].set(bad)
+    return grads
+
+
+def hlo_instructions(hlo_text):
+    """(opcode, attributes) of every instruction, metadata stripped."""
+    instructions = []
+    for line in hlo_text.splitlines():
+        match = re.match(r"\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", line)
+        if match:
+            instructions.append((match.group(1), line.split(", metadata=")[0]))
+    return instructions
+
+
+def compiled_costs(tx, params, grads):
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(params, tx.init(params), grads)
+        .compile()
+    )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
+
+
+DEVICES = jax.devices("cpu")
+
+
+def init_params(key=0):
+    keys = jax.random.split(jax.random.key(key), 3)
+    return {
+        "w1": jax.random.normal(keys[0], (16, 32)) * 0.3,
+        "w2": jax.random.normal(keys[1], (32, 8)) * 0.3,
+        "b": jnp.zeros((8,)),
+    }
+
+
+def per_device_grads(poison_device):
+    """Eight different gradient trees, one per device; one has an inf."""
+    grads = jax.tree.map(
+        lambda p: jnp.stack([p * (i + 1) for i in range(8)]), init_params()
+    )
+    grads["w1"] = grads["w1"].at[poison_device, 0, 0].set(jnp.inf)
+    return grads
+
+
+def stacked(tree):
+    return jax.tree.map(lambda x: jnp.stack([x] * 8), tree)
+
+
+def tree_equal(a, b):
+    """True when two pytrees have the same structure and bit-identical leaves."""
+    leaves_a, def_a = jax.tree.flatten(a)
+    leaves_b, def_b = jax.tree.flatten(b)
+    if def_a != def_b:
+        return False
+    return all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
+class ReferenceDynamicRule:
+    def __init__(
+        self,
+        scale=2.0**15,
+        growth_interval=2000,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        min_scale=1.0,
+        max_scale=2.0**24,
+        hysteresis=1,
+    ):
+        self.scale = np.float32(scale)
+        self.growth_interval = growth_interval
+        self.growth_factor = np.float32(growth_factor)
+        self.backoff_factor = np.float32(backoff_factor)
+        self.min_scale = np.float32(min_scale)
+        self.max_scale = np.float32(max_scale)
+        self.hysteresis = hysteresis
+        self.counter = 0
+        self.overflows = 0  # since the last growth, never capped
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.forward_overflows = 0
+        self.stuck = False
+
+    def step(self, finite: bool, loss_finite: bool = True) -> bool:
+        """Advances one step; returns whether the update is applied."""
+        self.stuck = False
+        if not loss_finite:
+            # A forward overflow: skipped and counted, the scale rule untouched.
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            self.forward_overflows += 1
+            return False
+        if finite:
+            self.consecutive_skips = 0
+            self.counter += 1
+            if self.counter == self.growth_interval:
+                grown = self.scale * self.growth_factor
+                self.scale = grown if grown < self.max_scale else self.max_scale
+                self.counter = 0
+                self.overflows = 0
+            return True
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self.stuck = self.scale == self.min_scale
+        self.counter = 0
+        self.overflows += 1
+        if self.overflows >= self.hysteresis:
+            reduced = self.scale * self.backoff_factor
+            self.scale = reduced if reduced > self.min_scale else self.min_scale
+        return False
+
+
+CONTINUES = "# Continues the"
+
+
+def python_blocks(text):
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def run_block(blocks, index, name):
+    """Runs `blocks[index]` (after the blocks it continues); checks its prints."""
+    namespace = {"__name__": "__main__"}  # as a script would run it
+    start = index
+    while start > 0 and blocks[start].startswith(CONTINUES):
+        start -= 1
+    with contextlib.redirect_stdout(io.StringIO()):
+        for earlier in range(start, index):
+            exec(compile(blocks[earlier], f"{name}[{earlier}]", "exec"), namespace)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        exec(compile(blocks[index], f"{name}[python block {index}]", "exec"), namespace)
+    expected = [
+        line.split("#", 1)[1].strip()
+        for line in blocks[index].splitlines()
+        if line.startswith("print(") and "#" in line
+    ]
+    printed = output.getvalue().split("\n")
+    for want, got in zip(expected, printed, strict=False):
+        assert got.strip() == want, (name, index)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_equal
+from helpers import compiled_costs
+from helpers import grads_like
+from helpers import hlo_instructions
+from helpers import params_tree
+from helpers import tree_equal
 from hypothesis import given
-from test_wrapper import compiled_costs
-from test_wrapper import grads_like
-from test_wrapper import hlo_instructions
-from test_wrapper import params_tree
 
 import lossscale
 import lossscale.flax

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from markdown_examples import CONTINUES
-from markdown_examples import python_blocks
-from markdown_examples import run_block
+from helpers import CONTINUES
+from helpers import python_blocks
+from helpers import run_block
 
 import lossscale
 import lossscale.flax

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_equal
+from helpers import tree_equal
 
 import lossscale
 

@@ -5,7 +5,6 @@ digits. Every 40th batch is multiplied by 1e5 so that it overflows float16: thos
 steps must be skipped exactly.
 """
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +13,13 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from flax.training import train_state as flax_train_state
+from helpers import LinenMLP
+from helpers import bitwise_equal
+from helpers import cross_entropy
+from helpers import linen_state
+from helpers import linen_step
+from helpers import restore
+from helpers import save
 
 import lossscale
 import lossscale.flax
@@ -42,52 +48,7 @@ def batches(digits, steps=STEPS):
         yield step, forced, xb, y[index]
 
 
-def cross_entropy(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels
-    ).mean()
-
-
-def bitwise_equal(a, b):
-    """Like `tree_equal`, but also tells -0.0 from +0.0."""
-    leaves_a, def_a = jax.tree.flatten(a)
-    leaves_b, def_b = jax.tree.flatten(b)
-    return def_a == def_b and all(
-        np.asarray(x).tobytes() == np.asarray(y).tobytes()
-        for x, y in zip(leaves_a, leaves_b, strict=True)
-    )
-
-
 # -- linen ---------------------------------------------------------------------
-
-
-class LinenMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        dense = dict(dtype=jnp.float16, param_dtype=jnp.float32)
-        x = nn.relu(nn.Dense(128, **dense)(x))
-        x = nn.relu(nn.Dense(128, **dense)(x))
-        return nn.Dense(10, **dense)(x)
-
-
-def linen_state(loss_scale="dynamic", tx=None):
-    model = LinenMLP()
-    params = model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
-    return lossscale.flax.TrainState.create(
-        apply_fn=model.apply,
-        params=params,
-        tx=tx or optax.adam(1e-3),
-        loss_scale=loss_scale,
-    )
-
-
-@jax.jit
-def linen_step(state, x, y):
-    def loss_fn(params):
-        return cross_entropy(state.apply_fn({"params": params}, x), y)
-
-    loss, grads = lossscale.value_and_grad(loss_fn)(state, state.params)
-    return state.apply_gradients(grads=grads), loss
 
 
 def linen_accuracy(state, x, y):
@@ -257,30 +218,6 @@ def test_nnx_optimizer_refuses_a_wrapped_tx():
 
 
 # -- Orbax checkpoints ---------------------------------------------------------
-
-
-def save(directory, step, state):
-    with ocp.CheckpointManager(directory) as manager:
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                loss_scale=ocp.args.JsonSave(state.loss_scale.get_config()),
-            ),
-        )
-        manager.wait_until_finished()
-
-
-def restore(directory, step, target):
-    with ocp.CheckpointManager(directory) as manager:
-        saved = manager.restore(
-            step, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore())
-        ).loss_scale
-        lossscale.check_config(saved, target)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        return manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-        ).state
 
 
 def test_resuming_from_a_checkpoint_is_bit_identical(digits, tmp_path):

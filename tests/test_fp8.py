@@ -15,7 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax.training import train_state as flax_train_state
-from test_flax import bitwise_equal
+from helpers import bitwise_equal
 
 import lossscale
 import lossscale.flax

@@ -10,34 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import DEVICES
+from helpers import init_params
+from helpers import per_device_grads
 from helpers import scaled_loss_step
-from jax.sharding import Mesh
+from helpers import stacked
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lossscale
 
-DEVICES = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(DEVICES) < 8, reason="needs 8 CPU devices")
 
 COLLECTIVE = re.compile(
     r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
     r"(?:-start)?\("
 )
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return Mesh(np.array(DEVICES[:8]), ("data",))
-
-
-def init_params(key=0):
-    keys = jax.random.split(jax.random.key(key), 3)
-    return {
-        "w1": jax.random.normal(keys[0], (16, 32)) * 0.3,
-        "w2": jax.random.normal(keys[1], (32, 8)) * 0.3,
-        "b": jnp.zeros((8,)),
-    }
 
 
 def loss_fn(params, x, y):
@@ -135,19 +123,6 @@ def test_sharded_wrap_adds_at_most_one_scalar_collective(mesh):
 
 
 # -- shard_map and pmap: agree over the named axis ------------------------------
-
-
-def per_device_grads(poison_device):
-    """Eight different gradient trees, one per device; one has an inf."""
-    grads = jax.tree.map(
-        lambda p: jnp.stack([p * (i + 1) for i in range(8)]), init_params()
-    )
-    grads["w1"] = grads["w1"].at[poison_device, 0, 0].set(jnp.inf)
-    return grads
-
-
-def stacked(tree):
-    return jax.tree.map(lambda x: jnp.stack([x] * 8), tree)
 
 
 @pytest.mark.parametrize("path", ["wrap", "apply_gradients"])

@@ -4,9 +4,9 @@ import pathlib
 import re
 
 import pytest
-from markdown_examples import CONTINUES
-from markdown_examples import python_blocks
-from markdown_examples import run_block
+from helpers import CONTINUES
+from helpers import python_blocks
+from helpers import run_block
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = python_blocks(README.read_text())

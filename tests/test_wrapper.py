@@ -1,7 +1,5 @@
 """The optax wrapper: exact skips, exact applied steps, composition, dtypes."""
 
-import re
-
 import chex
 import hypothesis.strategies as st
 import jax
@@ -9,9 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_equal
+from helpers import ReferenceDynamicRule
+from helpers import compiled_costs
+from helpers import grads_like
+from helpers import hlo_instructions
+from helpers import params_tree
+from helpers import tree_equal
 from hypothesis import given
-from reference import ReferenceDynamicRule
 
 import lossscale
 
@@ -24,23 +26,6 @@ def make_step(tx):
         return optax.apply_updates(params, updates), opt_state, updates
 
     return jax.jit(step)
-
-
-def params_tree():
-    return {
-        "w": jnp.asarray(np.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.float32),
-        "b": jnp.asarray([0.5, -0.25, 0.125], jnp.float32),
-    }
-
-
-def grads_like(params, seed, scale=1.0, bad=None):
-    rng = np.random.default_rng(seed)
-    grads = jax.tree.map(
-        lambda p: jnp.asarray(rng.standard_normal(p.shape) * scale, p.dtype), params
-    )
-    if bad is not None:
-        grads["w"] = grads["w"].at[1, 2].set(bad)
-    return grads
 
 
 # -- the Keras documentation example -----------------------------------------------
@@ -272,16 +257,6 @@ def test_every_init_returns_fresh_buffers_safe_to_donate():
     assert float(tx.init(params).loss_scale.scale) == 64.0
 
 
-def hlo_instructions(hlo_text):
-    """(opcode, attributes) of every instruction, metadata stripped."""
-    instructions = []
-    for line in hlo_text.splitlines():
-        match = re.match(r"\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", line)
-        if match:
-            instructions.append((match.group(1), line.split(", metadata=")[0]))
-    return instructions
-
-
 HOST_OPCODES = {"infeed", "outfeed", "send", "send-done", "recv", "recv-done"}
 
 
@@ -314,21 +289,6 @@ def test_host_callback_detector_detects_callbacks():
         opcode == "custom-call" and "callback" in line.lower()
         for opcode, line in hlo_instructions(text)
     )
-
-
-def compiled_costs(tx, params, grads):
-    def step(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    compiled = (
-        jax.jit(step, donate_argnums=(0, 1))
-        .lower(params, tx.init(params), grads)
-        .compile()
-    )
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's figures")

@@ -15,10 +15,10 @@ from flax.training import train_state
 
 from lossscale._src import apply
 from lossscale._src import checks
+from lossscale._src import diagnostics
 from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
-from lossscale._src import metrics as metrics_lib
 from lossscale._src import wrapper
 from lossscale._src.base import LossScale
 
@@ -224,6 +224,6 @@ class Optimizer(nnx.Optimizer):
         """
         updates = super().update(model, grads, **kwargs)
         # `nnx.Optimizer.update` always counts a step; take a skipped one back.
-        skipped = ~metrics_lib.metrics(self.loss_scale)["last_finite"]
+        skipped = ~diagnostics.metrics(self.loss_scale)["last_finite"]
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates

@@ -1,4 +1,5 @@
-"""scale_loss, unscale_grads and all_finite, against numpy."""
+"""The functional API (`_src/functional.py`): scale_loss, unscale_grads and all_finite,
+against numpy."""
 
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st

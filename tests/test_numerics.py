@@ -1,4 +1,5 @@
-"""Trees the size and shape of real models: many small leaves, odd sizes, 1000 leaves.
+"""Numerics (`_src/numerics.py`) on trees the size and shape of real models: many
+small leaves, odd sizes, 1000 leaves.
 
 The finiteness check and the clipping norm reduce small leaves in groups
 (`numerics.GROUP_BELOW`); these tests hold them to a numpy reference on trees
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_equal
+from helpers import tree_equal
 from hypothesis import given
 from hypothesis import settings
 
