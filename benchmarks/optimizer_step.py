@@ -124,7 +124,7 @@ def study_select_instead_of_cond(params):
         opt_state, loss_scale = state
         grads_finite = numerics.finite_after_unscaling(grads, loss_scale, params)
         updates, new_opt_state = tx.update(
-            numerics.unscale_tree(grads, loss_scale, params), opt_state, params
+            numerics.unscale(grads, loss_scale, params), opt_state, params
         )
         new = (optax.apply_updates(params, updates), new_opt_state)
         params, opt_state = lossscale.select_tree(

@@ -99,7 +99,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
     checks.check_gradients(grads)
-    return fp8.merge(numerics.unscale_tree(grads, state), metadata)
+    return fp8.merge(numerics.unscale(grads, state), metadata)
 
 
 def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array:

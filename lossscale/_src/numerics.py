@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from lossscale._src.base import LossScale
 
 
-def reciprocal(state: LossScale) -> jax.Array:
+def inverse_scale(state: LossScale) -> jax.Array:
     """`1 / scale` in float32: gradients are multiplied by it (design.md, Unscaling)."""
     return jnp.ones([], jnp.float32) / state.scale
 
@@ -33,7 +33,7 @@ def wide_dtype(dtype: Any) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
 
 
-def unscale_tree(grads: Any, state: LossScale, params: Any = None) -> Any:
+def unscale(grads: Any, state: LossScale, params: Any = None) -> Any:
     """The gradients divided by the scale; `None` leaves pass through.
 
     Each leaf keeps its dtype, unless `params` has a wider one for it (float16
@@ -41,12 +41,12 @@ def unscale_tree(grads: Any, state: LossScale, params: Any = None) -> Any:
     """
     if always_one(state):
         return grads
-    inverse = reciprocal(state)
+    inverse = inverse_scale(state)
     leaves, treedef = _flatten_keeping_none(grads)
     dtypes = _target_dtypes(leaves, treedef, params)
     return treedef.unflatten(
         [
-            g if g is None else _quotient(g, inverse).astype(dtype)
+            g if g is None else _unscaled(g, inverse).astype(dtype)
             for g, dtype in zip(leaves, dtypes, strict=True)
         ]
     )
@@ -55,32 +55,32 @@ def unscale_tree(grads: Any, state: LossScale, params: Any = None) -> Any:
 def finite_after_unscaling(
     grads: Any, state: LossScale, params: Any = None
 ) -> jax.Array:
-    """Whether `unscale_tree(grads, state, params)` is finite: one pass over `grads`.
+    """Whether `unscale(grads, state, params)` is finite: one pass over `grads`.
 
     Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
     they are; below 1 it reduces the unscaled values, inf where they overflow.
     """
     if state.min_scale < 1.0:
-        return all_finite_leaves(_quotient_leaves(grads, state, params))
+        return all_finite_leaves(_unscaled_leaves(grads, state, params))
     finite = all_finite_leaves(jax.tree.leaves(grads))
     if state.min_scale == state.max_scale:  # a constant, checked when built
         return finite
     # A rule that breaks its own `min_scale` (a scale of 0) would put 0 * inf
     # into the parameters: one scalar keeps that step out.
-    return finite & jnp.isfinite(reciprocal(state))
+    return finite & jnp.isfinite(inverse_scale(state))
 
 
 def norm_after_unscaling(grads: Any, state: LossScale, params: Any = None) -> jax.Array:
-    """The global norm of `unscale_tree(grads, state, params)`: one pass over `grads`.
+    """The global norm of `unscale(grads, state, params)`: one pass over `grads`.
 
     It is NaN or inf exactly when an unscaled gradient is, so it doubles as the
     finiteness check. For scales >= 1 the squares are summed in the scaled
     domain, then the root is multiplied by `1 / scale` (design.md, Clipping).
     """
     if state.min_scale < 1.0:
-        return jnp.sqrt(_sum_of_squares(_quotient_leaves(grads, state, params)))
+        return jnp.sqrt(_sum_of_squares(_unscaled_leaves(grads, state, params)))
     wide = [g.astype(wide_dtype(g.dtype)) for g in jax.tree.leaves(grads)]
-    return jnp.sqrt(_sum_of_squares(wide)) * reciprocal(state)
+    return jnp.sqrt(_sum_of_squares(wide)) * inverse_scale(state)
 
 
 def clip_to_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
@@ -153,7 +153,7 @@ def _float_arrays(leaves: list[Any]) -> list[jax.Array]:
     return arrays
 
 
-def _quotient(grad: jax.Array, inverse: jax.Array) -> jax.Array:
+def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:
     """The one definition of an unscaled value, at least float32 wide.
 
     The check and the applied branch both use it, so they agree exactly.
@@ -162,13 +162,13 @@ def _quotient(grad: jax.Array, inverse: jax.Array) -> jax.Array:
     return grad.astype(wide) * inverse.astype(wide)
 
 
-def _quotient_leaves(grads: Any, state: LossScale, params: Any) -> list[jax.Array]:
+def _unscaled_leaves(grads: Any, state: LossScale, params: Any) -> list[jax.Array]:
     """The unscaled leaves, wide, inf where they overflow their target dtype."""
     leaves, treedef = _flatten_keeping_none(grads)
     dtypes = _target_dtypes(leaves, treedef, params)
-    inverse = reciprocal(state)
+    inverse = inverse_scale(state)
     return [
-        _inf_where_overflowing(_quotient(g, inverse), dtype)
+        _inf_where_overflowing(_unscaled(g, inverse), dtype)
         for g, dtype in zip(leaves, dtypes, strict=True)
         if g is not None
     ]

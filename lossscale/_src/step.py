@@ -67,7 +67,7 @@ def guarded_step(
 
     def apply_branch(operands):
         grads, carry = operands
-        grads = numerics.unscale_tree(grads, loss_scale, params)
+        grads = numerics.unscale(grads, loss_scale, params)
         if options.clip_norm is not None:
             grads = numerics.clip_to_norm(grads, norm, options.clip_norm)
         result = applied_step(grads, carry)
