@@ -69,13 +69,15 @@ def linen_state(loss_scale="dynamic", tx=None):
     )
 
 
-@jax.jit
-def linen_step(state, x, y):
+def linen_step_fn(state, x, y):
     def loss_fn(params):
         return cross_entropy(state.apply_fn({"params": params}, x), y)
 
     loss, grads = lossscale.value_and_grad(loss_fn)(state, state.params)
     return state.apply_gradients(grads=grads), loss
+
+
+linen_step = jax.jit(linen_step_fn)
 
 
 def save(directory, step, state):
