@@ -5,6 +5,9 @@ digits. Every 40th batch is multiplied by 1e5 so that it overflows float16: thos
 steps must be skipped exactly.
 """
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -304,3 +307,88 @@ def test_migrating_a_checkpoint_to_another_loss_scale(tmp_path):
     migrated = restored.replace(loss_scale=lossscale.DynamicLossScale())
     assert bitwise_equal(migrated.params, old.params)
     assert migrated.loss_scale.get_config() == lossscale.DynamicLossScale().get_config()
+
+
+# -- Flax's own patterns: extra fields, `value=`, skipped steps keep everything ----
+
+
+class BatchNormMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(8, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+        x = nn.BatchNorm(use_running_average=not train, dtype=jnp.float16)(x)
+        return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(nn.relu(x))
+
+
+class BatchStatsState(lossscale.flax.TrainState):
+    # Flax's ImageNet example: a field without a default, after the base's fields.
+    batch_stats: Any
+
+
+def batch_norm_state():
+    variables = BatchNormMLP().init(jax.random.key(0), jnp.ones((4, 3)))
+    return BatchStatsState.create(
+        apply_fn=BatchNormMLP().apply,
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        batch_stats=variables["batch_stats"],
+        loss_scale=lossscale.DynamicLossScale(scale=2.0**8),
+    )
+
+
+@jax.jit
+def batch_norm_step(state, x):
+    def loss_fn(params):
+        out, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            x,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean(out.astype(jnp.float32) ** 2), updates
+
+    (loss, updates), grads = lossscale.value_and_grad(loss_fn, has_aux=True)(
+        state, state.params
+    )
+    return state.apply_gradients(
+        grads=grads, value=loss, batch_stats=updates["batch_stats"]
+    )
+
+
+def test_a_subclass_with_batch_stats_trains_and_a_forward_overflow_keeps_them():
+    state = batch_norm_state()
+    x = jax.random.normal(jax.random.key(1), (16, 3))
+    state = batch_norm_step(state, x)
+    assert int(state.step) == 1
+    moved = jax.tree.leaves(state.batch_stats)
+    # Inputs that overflow float16 in the forward pass: the statistics of this
+    # batch are inf/NaN, and a skipped step must not write them.
+    before = state
+    state = batch_norm_step(state, x.at[0].set(1e6))
+    assert int(state.step) == 1
+    assert int(state.loss_scale.forward_overflows) == 1
+    assert float(state.loss_scale.scale) == float(before.loss_scale.scale)  # kept
+    assert bitwise_equal(state.batch_stats, before.batch_stats)
+    assert bitwise_equal(state.params, before.params)
+    for leaf in jax.tree.leaves(state.batch_stats):
+        assert np.isfinite(np.asarray(leaf)).all()
+    state = batch_norm_step(state, x)  # and it trains on
+    assert int(state.step) == 2
+    assert not bitwise_equal(jax.tree.leaves(state.batch_stats), moved)
+
+
+def test_a_field_whose_tree_changes_cannot_be_kept_and_says_so():
+    state = batch_norm_state()
+    grads = jax.tree.map(jnp.zeros_like, state.params)
+    with pytest.raises(ValueError, match="`apply_gradients\\(batch_stats=...\\)`"):
+        state.apply_gradients(grads=grads, batch_stats={"other": jnp.ones(2)})
+
+
+def test_a_spec_put_in_place_of_the_state_is_a_clear_error():
+    state = batch_norm_state().replace(loss_scale="dynamic")
+    grads = jax.tree.map(jnp.zeros_like, state.params)
+    with pytest.raises(TypeError, match="`loss_scale` must be a loss-scale state"):
+        state.apply_gradients(grads=grads)
+    tx = lossscale.wrap(optax.sgd(0.1))
+    opt_state = tx.init(jnp.ones(2))._replace(loss_scale=1024.0)
+    with pytest.raises(TypeError, match="`state.loss_scale` must be a loss-scale"):
+        tx.update(jnp.ones(2), opt_state, jnp.ones(2))

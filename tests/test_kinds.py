@@ -2,6 +2,7 @@
 rule against a pure-Python model, settings as static data, bad settings."""
 
 import copy
+import json
 import pickle
 
 import chex
@@ -9,6 +10,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import ReferenceDynamicRule
 from hypothesis import given
@@ -424,3 +426,24 @@ def test_update_rejects_non_states():
 def test_update_accepts_python_bools():
     state = lossscale.adjust(lossscale.DynamicLossScale(scale=4.0), False)
     assert float(state.scale) == 2.0
+
+
+@pytest.mark.parametrize(
+    "build, name",
+    [
+        (lambda: lossscale.StaticLossScale(10**400), "value"),
+        (lambda: lossscale.wrap(optax.sgd(0.1), 10**400), "value"),
+        (lambda: lossscale.DynamicLossScale(max_scale=10**400), "max_scale"),
+        (
+            lambda: lossscale.LossScale.from_config(
+                json.loads('{"kind": "static", "value": 1' + "0" * 400 + "}")
+            ),
+            "value",
+        ),
+    ],
+)
+def test_numbers_beyond_any_float_are_a_value_error_naming_the_setting(build, name):
+    # Python's float() raises OverflowError on them; the message stays short.
+    with pytest.raises(ValueError, match=f"`{name}` must be positive and finite") as e:
+        build()
+    assert "chars)" in str(e.value) and len(str(e.value)) < 300

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from lossscale._src.base import LossScale
+
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -227,7 +229,7 @@ def positive_float32(name: str, value: Any, owner: str) -> float:
     if not (np.isfinite(number) and np.isfinite(rounded) and rounded > 0):
         raise ValueError(
             f"`{owner}`: `{name}` must be positive and finite in float32 (within"
-            f" (0, {_FLOAT32_MAX:.4g}]), got {value!r}."
+            f" (0, {_FLOAT32_MAX:.4g}]), got {_short(value)}."
         )
     return rounded
 
@@ -246,6 +248,11 @@ def positive_int32(name: str, value: Any, owner: str) -> int:
     return int(value)
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} chars)"
+
+
 def _concrete_float(name: str, value: Any, owner: str) -> float:
     if not is_number(value):
         raise TypeError(
@@ -254,6 +261,8 @@ def _concrete_float(name: str, value: Any, owner: str) -> float:
         )
     try:
         return float(value)
+    except OverflowError:  # an int beyond any float: out of range, like inf
+        return float("inf")
     except jax.errors.ConcretizationTypeError:
         raise TypeError(
             f"`{owner}`: `{name}` must be a concrete number, got a traced value."
@@ -268,3 +277,14 @@ def _is_none(x: Any) -> bool:
 
 def _where(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
+
+
+def check_state(value: Any, name: str) -> None:
+    """Raises `TypeError` unless `value` is a loss-scale state (not a spec)."""
+    if not isinstance(value, LossScale):
+        raise TypeError(
+            f"`{name}` must be a loss-scale state, got {value!r}: a spec (a number,"
+            " 'dynamic' or None) is only read where a state is created. To change"
+            " the loss scale of a run, replace it with a state, e.g."
+            " `.replace(loss_scale=lossscale.DynamicLossScale())`."
+        )

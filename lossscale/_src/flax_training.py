@@ -5,8 +5,10 @@ Flax is an optional dependency: this module is imported only by `lossscale.flax`
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -60,8 +62,12 @@ class TrainState(train_state.TrainState):
     """
 
     loss_scale: LossScale = struct.field(pytree_node=True)
-    axis_name: Any = struct.field(pytree_node=False, default=None)
-    clip_norm: float | None = struct.field(pytree_node=False, default=None)
+    # Keyword-only: a subclass may add fields without defaults, as Flax's
+    # examples do (`batch_stats: Any`).
+    axis_name: Any = struct.field(pytree_node=False, default=None, kw_only=True)
+    clip_norm: float | None = struct.field(
+        pytree_node=False, default=None, kw_only=True
+    )
 
     @classmethod
     def create(
@@ -118,23 +124,28 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
-    def apply_gradients(self, *, grads, **kwargs) -> TrainState:
+    def apply_gradients(self, *, grads, value=None, **kwargs) -> TrainState:
         """Applies the gradients of the scaled loss, or skips them if not finite.
 
         Args:
           grads: gradients of the *scaled* loss, same tree as `params`.
-          **kwargs: further fields to replace, as in Flax's `TrainState`.
+          value: the unscaled loss, optional: if not finite, the step is skipped
+            as a forward overflow and the scale does not back off.
+          **kwargs: further fields to replace, as in Flax's `TrainState` (e.g.
+            `batch_stats`); a skipped step keeps their old values too.
 
         Returns:
-          The next state: on an applied step `step + 1`, new `params` and
-          `opt_state`; on a skipped one the same `step`, `params` and `opt_state`.
+          The next state: on an applied step `step + 1`, new `params`,
+          `opt_state` and `kwargs` fields; on a skipped one the state as it was.
           `loss_scale` is updated either way.
 
         Raises:
-          TypeError: if a gradient leaf is not floating point, or `tx.update`
-            changes the dtype of an optimizer-state leaf.
-          ValueError: if `grads` and `params` differ in tree structure.
+          TypeError: if `loss_scale` is not a state, a gradient leaf is not
+            floating point, or `tx.update` changes the dtype of a state leaf.
+          ValueError: if `grads` and `params` differ in tree structure, or a
+            `kwargs` field's new value has another tree than its old one.
         """
+        checks.check_state(self.loss_scale, "loss_scale")
         params, opt_state, loss_scale, applied = apply.apply_or_skip(
             self.tx,
             grads,
@@ -142,7 +153,7 @@ class TrainState(train_state.TrainState):
             self.opt_state,
             self.loss_scale,
             checks.StepOptions(self.axis_name, self.clip_norm),
-            {},
+            {} if value is None else {"value": value},
         )
         step = jnp.asarray(self.step)
         return self.replace(
@@ -150,8 +161,23 @@ class TrainState(train_state.TrainState):
             params=params,
             opt_state=opt_state,
             loss_scale=loss_scale,
-            **kwargs,
+            **{name: self._kept(name, new, applied) for name, new in kwargs.items()},
         )
+
+    def _kept(self, name: str, new: Any, applied: jax.Array) -> Any:
+        """`new` on an applied step, the field's old value on a skipped one."""
+        declared = {f.name: f for f in dataclasses.fields(self)}.get(name)
+        if declared is not None and not declared.metadata.get("pytree_node", True):
+            return new  # static, as `apply_fn`: the same on every step
+        old = getattr(self, name)
+        if jax.tree.structure(new) != jax.tree.structure(old):
+            raise ValueError(
+                f"`apply_gradients({name}=...)`: the new value has another tree than"
+                f" the field's ({jax.tree.structure(new)} vs"
+                f" {jax.tree.structure(old)}), so a skipped step could not keep the"
+                f" old one. Give `{name}` its final tree when creating the state."
+            )
+        return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
 class Optimizer(nnx.Optimizer):

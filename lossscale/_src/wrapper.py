@@ -117,6 +117,7 @@ def wrap(
                 "`state` must be the `WrapState` returned by this transformation's"
                 f" `init`, got {type(state).__name__}."
             )
+        checks.check_state(state.loss_scale, "state.loss_scale")
 
         split = fp8.split(updates, params)
 
