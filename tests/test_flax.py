@@ -8,6 +8,7 @@ steps must be skipped exactly.
 from typing import Any
 
 import flax.linen as nn
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from flax.training import train_state as flax_train_state
+from flax.training.dynamic_scale import DynamicScale
 from helpers import LinenMLP
 from helpers import bitwise_equal
 from helpers import cross_entropy
@@ -24,6 +26,8 @@ from helpers import linen_step
 from helpers import linen_step_fn
 from helpers import restore
 from helpers import save
+from hypothesis import given
+from hypothesis import settings
 
 import lossscale
 import lossscale.flax
@@ -392,3 +396,33 @@ def test_a_spec_put_in_place_of_the_state_is_a_clear_error():
     opt_state = tx.init(jnp.ones(2))._replace(loss_scale=1024.0)
     with pytest.raises(TypeError, match="`state.loss_scale` must be a loss-scale"):
         tx.update(jnp.ones(2), opt_state, jnp.ones(2))
+
+
+@settings(max_examples=25)
+@given(
+    flags=st.lists(st.booleans(), min_size=1, max_size=40),
+    growth_interval=st.integers(1, 4),
+)
+def test_the_migration_pages_settings_reproduce_flax_dynamic_scale(
+    flags, growth_interval
+):
+    flax_scale = DynamicScale(growth_interval=growth_interval)
+    ours = lossscale.DynamicLossScale(
+        scale=2.0**16,
+        growth_interval=growth_interval + 1,
+        min_scale=float(np.finfo(np.float32).tiny),
+        max_scale=float(np.finfo(np.float32).max),
+    )
+    grad_fn = jax.jit(
+        lambda d, bad: d.value_and_grad(lambda w: jnp.sum(w * bad))(jnp.ones(2))
+    )
+    for finite in flags:
+        flax_scale, is_finite, _, _ = grad_fn(
+            flax_scale, jnp.float32(1.0 if finite else jnp.inf)
+        )
+        assert bool(is_finite) == finite
+        ours = ADJUST(ours, jnp.asarray(finite))
+        assert float(ours.scale) == float(flax_scale.scale)
+
+
+ADJUST = jax.jit(lossscale.adjust)

@@ -96,6 +96,7 @@ def test_compiles_once_across_scale_changes():
         ({"argnums": ()}, ValueError, "empty"),
         ({"argnums": -1}, ValueError, ">= 0"),
         ({"has_aux": 1}, TypeError, "has_aux"),
+        ({"axis_name": 3}, TypeError, "axis_name"),
     ],
 )
 def test_bad_settings_are_refused_eagerly(kwargs, error, match):
@@ -115,3 +116,41 @@ def test_bad_calls_name_the_problem():
         lossscale.value_and_grad(lambda w: w)(one, W)
     with pytest.raises(TypeError, match="loss-scale state"):
         lossscale.value_and_grad(lambda w: jnp.sum(w))(object(), W)
+
+
+def test_axis_name_averages_the_gradients_and_every_replica_decides_alike():
+    n = 2
+    w = jnp.array([1.0, -2.0])
+    x = jnp.array([[1.0, 2.0], [3.0, 5.0]])  # one row per device
+    loss_scale = lossscale.StaticLossScale(4.0)
+    grad_fn = lossscale.value_and_grad(lambda w, x: jnp.sum(w * x), axis_name="i")
+    losses, grads = jax.pmap(grad_fn, axis_name="i", in_axes=(None, None, 0))(
+        loss_scale, w, x
+    )
+    expected = 4.0 * np.mean(np.asarray(x), axis=0)  # the scaled mean gradient
+    for device in range(n):
+        np.testing.assert_allclose(grads[device], expected, rtol=1e-6)
+        assert float(losses[device]) == float(jnp.sum(w * x[device]))  # its own
+    # One device's overflow reaches every replica: all skip together.
+    tx = lossscale.wrap(optax.sgd(0.1), loss_scale)
+    opt_state = tx.init(w)
+
+    def step(w, x):
+        _, grads = grad_fn(opt_state, w, x)
+        updates, state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), state.loss_scale.skipped_steps
+
+    x_bad = x.at[1, 0].set(jnp.inf)
+    new_w, skipped = jax.pmap(step, axis_name="i", in_axes=(None, 0))(w, x_bad)
+    np.testing.assert_array_equal(skipped, [1, 1])
+    np.testing.assert_array_equal(new_w, np.stack([w, w]))
+    # Without `axis_name` the replicas would disagree: the first one applies.
+    plain = lossscale.value_and_grad(lambda w, x: jnp.sum(w * x))
+
+    def local_step(w, x):
+        _, grads = plain(opt_state, w, x)
+        return tx.update(grads, opt_state, w)[1].loss_scale.skipped_steps
+
+    np.testing.assert_array_equal(
+        jax.pmap(local_step, axis_name="i", in_axes=(None, 0))(w, x_bad), [0, 1]
+    )

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from lossscale._src import checks
 from lossscale._src import functional
 from lossscale._src import lookup
 
@@ -18,6 +19,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
+    axis_name: checks.AxisName | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like `jax.value_and_grad`, but differentiates the loss times the loss scale.
 
@@ -26,7 +28,9 @@ def value_and_grad(
     `fun`'s own arguments, which `argnums` counts, as in `jax.value_and_grad`.
     The gradients are those of `scale_loss(fun(...), loss_scale)`, multiplied by
     the scale, ready for `wrap`'s `update` or `TrainState.apply_gradients`, which
-    unscale them; the loss and `aux` are returned as `fun` computed them.
+    unscale them; the loss and `aux` are returned as `fun` computed them. With
+    `axis_name` they are averaged over it (as Flax's `DynamicScale` does): every
+    replica applies the same ones and takes the same skip decision.
 
     Args:
       fun: the loss function; returns a floating-point scalar, or a pair
@@ -34,6 +38,7 @@ def value_and_grad(
       has_aux: whether `fun` returns `(loss, aux)`.
       argnums: which of `fun`'s positional arguments to differentiate: an int or
         a sequence of ints.
+      axis_name: None, or a mapped axis name (or tuple) to average over.
 
     Returns:
       A function `g(loss_scale, *args, **kwargs)` returning `(loss, grads)`, or
@@ -41,8 +46,9 @@ def value_and_grad(
       `grads` is a tuple.
 
     Raises:
-      TypeError: if `fun` is not callable, `has_aux` is not a bool or `argnums`
-        is not an int or a sequence of ints; when called, if `fun`'s result is not
+      TypeError: if `fun` is not callable, `has_aux` is not a bool, `argnums`
+        is not an int or a sequence of ints, or `axis_name` is not a name; when
+        called, if `fun`'s result is not
         a floating-point scalar (or a pair with `has_aux`).
       ValueError: if `argnums` is empty or has a negative entry.
 
@@ -61,6 +67,7 @@ def value_and_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     _check_argnums(argnums)
+    axis_name = checks.check_axis_name(axis_name)
 
     def scaled_fun(state, *args, **kwargs):
         out = fun(*args, **kwargs)
@@ -91,6 +98,8 @@ def value_and_grad(
         (_, (loss, aux)), grads = jax.value_and_grad(
             scaled_fun, argnums=shifted, has_aux=True
         )(state, *args, **kwargs)
+        if axis_name is not None:
+            grads = jax.lax.pmean(grads, axis_name)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return grad_fn
