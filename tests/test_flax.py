@@ -16,6 +16,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from flax import serialization
 from flax.training import train_state as flax_train_state
 from flax.training.dynamic_scale import DynamicScale
 from helpers import LinenMLP
@@ -426,3 +427,52 @@ def test_the_migration_pages_settings_reproduce_flax_dynamic_scale(
 
 
 ADJUST = jax.jit(lossscale.adjust)
+
+
+class Stepping(lossscale.LossScale, kind="tests.flax_stepping"):
+    scale: jax.Array = lossscale.field(dtype=jnp.float32, default=8.0)
+    history: jax.Array = lossscale.field(dtype=jnp.bool_, shape=(3,), default=False)
+    step_size: float = lossscale.field(static=True, default=1.0)
+
+    def rule(self, grads_finite):
+        return self.replace(
+            scale=self.scale + jnp.where(grads_finite, self.step_size, -1.0),
+            history=jnp.concatenate([self.history[1:], grads_finite[None]]),
+        )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lossscale.NoOpLossScale,
+        lambda: lossscale.StaticLossScale(4.0),
+        lambda: lossscale.DynamicLossScale(growth_interval=3, hysteresis=2),
+        lambda: Stepping(step_size=2.0),  # defined after `lossscale.flax` was imported
+    ],
+)
+def test_flax_serialization_round_trips_every_kind_and_the_train_state(make):
+    state = lossscale.flax.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.adam(0.1), loss_scale=make()
+    )
+    for grads in [jnp.full(2, jnp.inf), jnp.ones(2), jnp.full(2, jnp.nan)]:
+        state = state.apply_gradients(grads={"w": grads})
+    target = lossscale.flax.TrainState.create(
+        apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.adam(0.1), loss_scale=make()
+    )
+    restored = serialization.from_bytes(target, serialization.to_bytes(state))
+    assert restored.loss_scale == state.loss_scale
+    assert bitwise_equal(restored.params, state.params)
+    assert bitwise_equal(restored.opt_state, state.opt_state)
+    assert serialization.to_state_dict(state.loss_scale).keys() == set(
+        type(state.loss_scale)._leaves
+    )
+    # And it steps on from there as the original does.
+    a = state.apply_gradients(grads={"w": jnp.ones(2)})
+    b = restored.apply_gradients(grads={"w": jnp.ones(2)})
+    assert a.loss_scale == b.loss_scale and bitwise_equal(a.params, b.params)
+
+
+def test_a_state_dict_of_another_layout_is_refused_with_the_way_out():
+    target = lossscale.DynamicLossScale()
+    with pytest.raises(ValueError, match="int32_fields.*from_checkpoint_0_2"):
+        serialization.from_state_dict(target, {"int32_fields": np.zeros(6)})

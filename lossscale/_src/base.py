@@ -88,6 +88,9 @@ class LossScale:
         cls._get_settings = staticmethod(_getter(cls._settings))
         cls.__init__ = kind_checks.finishing(cls.__init__)
         cls.kind = register_kind(cls, kind)
+        _KINDS.append(cls)
+        for hook in _NEW_KIND_HOOKS:
+            hook(cls)
         # Unflattening skips `__init__`: leaves may be tracers, shape structs,
         # shardings or other placeholders.
         jax.tree_util.register_pytree_with_keys(
@@ -226,6 +229,18 @@ LossScale._leaves = tuple(LossScale._specs)
 LossScale._settings = ()
 
 COUNTERS = LossScale._leaves
+
+# Every kind defined so far, and what to call for each new one (`lossscale.flax`
+# registers them with `flax.serialization` without importing Flax here).
+_KINDS: list[type[LossScale]] = []
+_NEW_KIND_HOOKS: list[Any] = []
+
+
+def for_every_kind(hook) -> None:
+    """Calls `hook(cls)` for every kind defined so far and every later one."""
+    _NEW_KIND_HOOKS.append(hook)
+    for cls in _KINDS:
+        hook(cls)
 
 
 def rule_fields(cls: type[LossScale]) -> tuple[str, ...]:

@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax import serialization
 from flax import struct
 from flax.training import train_state
 
 from lossscale._src import apply
+from lossscale._src import base
 from lossscale._src import checks
 from lossscale._src import diagnostics
 from lossscale._src import fp8
@@ -253,3 +255,35 @@ class Optimizer(nnx.Optimizer):
         skipped = ~diagnostics.metrics(self.loss_scale)["last_finite"]
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates
+
+
+def _to_state_dict(state: LossScale) -> dict[str, Any]:
+    return {
+        name: serialization.to_state_dict(getattr(state, name))
+        for name in type(state)._leaves
+    }
+
+
+def _from_state_dict(target: LossScale, state: dict[str, Any], name: str = ".") -> Any:
+    cls = type(target)
+    if not isinstance(state, dict) or set(state) != set(cls._leaves):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"The state dict at {name!r} must hold the fields {list(cls._leaves)} of"
+            f" a `{cls.__name__}`, got {got}. (A lossscale 0.2 state held"
+            " `int32_fields`/`float32_fields`: see `lossscale.from_checkpoint_0_2`.)"
+        )
+    leaves = [
+        serialization.from_state_dict(getattr(target, n), state[n], name=n)
+        for n in cls._leaves
+    ]
+    return base._unflatten(cls, cls._get_settings(target), leaves)
+
+
+# `flax.serialization` (`to_bytes`, `to_state_dict`, Flax's checkpoints) reads
+# every kind's fields by name; the settings come from the target.
+base.for_every_kind(
+    lambda cls: serialization.register_serialization_state(
+        cls, _to_state_dict, _from_state_dict, override=True
+    )
+)
