@@ -18,8 +18,9 @@ Each process prints, after every step, the step, the loss scale, the skipped ste
 and a digest of the whole train state (parameters, optimizer state, loss-scale
 state, gathered from every process): the digests are the same on every process.
 `--overflow-at 3,7` puts an inf into the last process's part of the batch at those
-steps: every process skips them. With `--checkpoint-dir` the state is saved every
-`--save-every` steps with Orbax, and a run restarts from the latest checkpoint.
+steps (counted from 1, as printed): every process skips them. With
+`--checkpoint-dir` the state is saved every `--save-every` steps with Orbax, and a
+run restarts from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--path", choices=("wrap", "apply"), default="wrap")
-    parser.add_argument("--overflow-at", default="", help="steps, e.g. 3,7")
+    parser.add_argument(
+        "--overflow-at", default="", help="steps as printed (from 1), e.g. 3,7"
+    )
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--heartbeat-timeout", type=int, default=100)
@@ -140,7 +143,7 @@ def train(args) -> None:
         rng = np.random.default_rng(step)
         x = rng.standard_normal((devices * batch_per_device, width)).astype(np.float32)
         y = np.tanh(x[:, :4] * 2.0).astype(np.float32)
-        if step in overflow_at:
+        if step + 1 in overflow_at:  # steps count from 1, as printed
             x[poisoned_row] = np.inf
         return global_array(x, rows), global_array(y, rows)
 

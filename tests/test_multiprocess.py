@@ -142,9 +142,10 @@ def test_every_process_skips_and_keeps_identical_state(tmp_path, count, path):
         assert run.wait() == [0] * count
         table = run.steps()
     check_identical_everywhere(table, steps)
-    # The inf went into one process's rows only; every process skipped.
+    # The inf went into one process's rows only, at the printed steps 2 and 4;
+    # every process skipped exactly those.
     skipped = [int(table[step][0][1]) for step in range(1, steps + 1)]
-    expected = [0, 0, 1, 1, 2, 2][:steps]
+    expected = [0, 1, 1, 2, 2, 2][:steps]
     assert skipped == expected
 
 
@@ -199,10 +200,11 @@ def test_a_killed_process_stops_the_run_in_bounded_time_and_a_restart_resumes_ex
 
 @pytest.mark.slow
 def test_the_readme_command_runs_locally():
-    # `python examples/multiprocess_train.py --local 2`, as the README shows it.
+    # The README's command, `... --local 2 --overflow-at 2,4`, with fewer steps.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--local", "2", "--steps", "3"],
+        [sys.executable, str(EXAMPLE), "--local", "2", "--overflow-at", "2,4"]
+        + ["--steps", "3"],
         env=env,
         capture_output=True,
         text=True,
@@ -213,3 +215,8 @@ def test_the_readme_command_runs_locally():
     assert sorted((int(m.group(1)), int(m.group(2))) for m in rows if m) == [
         (p, s) for p in (0, 1) for s in (1, 2, 3)
     ]
+    # The printed step 2 is the one skipped, on both processes.
+    skipped = {(int(m.group(1)), int(m.group(2))): int(m.group(4)) for m in rows if m}
+    assert skipped == {(p, s): int(s >= 2) for p in (0, 1) for s in (1, 2, 3)}
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    assert "python examples/multiprocess_train.py --local 2 --overflow-at 2,4" in readme
