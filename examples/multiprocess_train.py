@@ -20,7 +20,9 @@ state, gathered from every process): the digests are the same on every process.
 `--overflow-at 3,7` puts an inf into the last process's part of the batch at those
 steps (counted from 1, as printed): every process skips them. With
 `--checkpoint-dir` the state is saved every `--save-every` steps with Orbax, and a
-run restarts from the latest checkpoint.
+run restarts from the latest checkpoint. With `--local`, Gloo's connection lines
+("[Gloo] Rank 0 is connected to 1 peer ranks...", jax-ml/jax#32673) are left out of
+the output; on a cluster each process prints its own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 
 LOCAL_DEVICES = {1: 8, 2: 4, 4: 2, 8: 1}  # simulated CPU devices per process
 
@@ -51,6 +54,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def forward(stream) -> None:
+    """Copies a child's lines to our stdout, line by line."""
+    with stream:
+        for line in stream:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
 def launch_locally(count: int, argv: list[str]) -> int:
     """Starts `count` processes of this script on 127.0.0.1; returns the worst rc."""
     import socket
@@ -58,7 +69,7 @@ def launch_locally(count: int, argv: list[str]) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    children = []
+    children, pipes = [], []
     for index in range(count):
         env = dict(
             os.environ,
@@ -67,9 +78,32 @@ def launch_locally(count: int, argv: list[str]) -> int:
             PROCESS_ID=str(index),
             XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES[count]}",
         )
-        children.append(subprocess.Popen([sys.executable, __file__, *argv], env=env))
+        # The child's own lines come through a pipe of their own. Its stdout,
+        # where Gloo's C++ code writes a "[Gloo] Rank i is connected to n peer
+        # ranks" line for every rank of every group it opens (16 a run here, from
+        # several threads at once, interleaved), is left out.
+        read, write = os.pipe()
+        env["EXAMPLE_OUTPUT_FD"] = str(write)
+        children.append(
+            subprocess.Popen(
+                [sys.executable, __file__, *argv],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(write,),
+            )
+        )
+        os.close(write)
+        pipes.append(os.fdopen(read))
+    forwarders = [
+        threading.Thread(target=forward, args=(pipe,), daemon=True) for pipe in pipes
+    ]
+    for thread in forwarders:
+        thread.start()
     try:
-        return max(child.wait() for child in children)
+        rc = max(child.wait() for child in children)
+        for thread in forwarders:
+            thread.join()
+        return rc
     finally:
         for child in children:
             if child.poll() is None:
@@ -248,9 +282,12 @@ def train(args) -> None:
 
 
 def say(line: str) -> None:
-    """Prints a line in one write, so lines of processes sharing a pipe don't mix."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    """Prints a line in one write, so lines of processes sharing a pipe don't mix.
+
+    To stdout, or to the pipe `--local` gave this process (`EXAMPLE_OUTPUT_FD`).
+    """
+    fd = os.environ.get("EXAMPLE_OUTPUT_FD")
+    os.write(int(fd) if fd else sys.stdout.fileno(), (line + "\n").encode())
 
 
 def checkpoint_args(params, state, loss_scale_config=None):

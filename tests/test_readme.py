@@ -50,3 +50,13 @@ def test_one_install_line_makes_both_commands_work():
     needed = {re.split(r"[<>=\[ ]", req)[0] for req in optional["demo"]} | {"pytest"}
     assert needed <= names, needed - names
     assert "<!-- setup:" in (README.parent / ".ci" / "run").read_text()
+
+
+def test_readme_links_every_guide_and_migration_page():
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs"
+    pages = [docs / "getting_started.md", docs / "design.md"]
+    pages += sorted((docs / "guides").glob("*.md"))
+    pages += sorted((docs / "migration").glob("*.md"))
+    text = README.read_text()
+    for page in pages:
+        assert f"(docs/{page.relative_to(docs).as_posix()})" in text, page.name

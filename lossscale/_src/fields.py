@@ -37,9 +37,9 @@ def field(
 
     `dataclasses.field` for a kind (see `lossscale.LossScale`). An array field is
     a pytree leaf named by the field, of a fixed dtype and shape, so a jitted
-    step compiles once. A static field (`static=True`) is a setting: a Python
-    value compiled into the step and reported by `get_config`, like
-    `flax.struct.field(pytree_node=False)`.
+    step called on its own output compiles once. A static field (`static=True`)
+    is a setting: a Python value compiled into the step and reported by
+    `get_config`, like `flax.struct.field(pytree_node=False)`.
 
     Args:
       dtype: an array field's dtype (`jnp.float32`, `jnp.int32`, `jnp.bool_`,

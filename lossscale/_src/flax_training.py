@@ -38,7 +38,8 @@ class TrainState(train_state.TrainState):
     `opt_state` untouched, bit for bit; `step` advances only on applied steps (so it
     equals the optimizer's count); `loss_scale` moves either way. With Flax's fp8
     layers pass the whole variables dict as `params` (`docs/design.md`, "fp8
-    metadata"). The state holds arrays only: a jitted step compiles once.
+    metadata"). The state holds arrays only: a jitted step called on its own
+    output compiles once.
 
     Attributes:
       loss_scale: the loss-scale state (`lossscale.DynamicLossScale`, ...).
