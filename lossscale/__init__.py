@@ -23,6 +23,7 @@ from lossscale._src.grad import value_and_grad
 from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.locate import leaf_path
 from lossscale._src.lookup import get_loss_scale
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
@@ -44,6 +45,7 @@ __all__ = (
     "from_checkpoint_0_2",
     "get_loss_scale",
     "grad_stats",
+    "leaf_path",
     "metrics",
     "scale_loss",
     "unscale_grads",

@@ -261,6 +261,7 @@ def test_leaves_are_named_scalars_of_explicit_dtypes(state):
         "consecutive_skips": jnp.int32,
         "forward_overflows": jnp.int32,
         "stuck": jnp.bool_,
+        "overflow_leaf": jnp.int32,
     }
     if isinstance(state, lossscale.DynamicLossScale):
         expected = {

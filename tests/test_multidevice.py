@@ -98,10 +98,29 @@ def test_sharded_jit_skips_globally_when_one_shard_overflows(mesh, params_spec):
     assert_identical_everywhere(new_opt_state.loss_scale)
 
 
-def count_collectives(fn, *args):
+def count_collectives(fn, *args, skip_branch=False):
+    """The collective lines of `fn`'s compiled HLO, outside the skip branch.
+
+    A skipped step also reduces its gradients per leaf, to find the first
+    non-finite one (`overflow_leaf`): those collectives sit in the conditional's
+    false branch and run on skipped steps only; `skip_branch=True` lists them.
+    """
     text = jax.jit(fn).lower(*args).compile().as_text()
-    lines = [line for line in text.splitlines() if COLLECTIVE.search(line)]
-    return lines
+    computations, name = {}, None
+    for line in text.splitlines():
+        header = re.match(r"(?:ENTRY )?%(\S+) ", line)
+        if header and line.rstrip().endswith("{"):
+            name = header.group(1)
+        computations.setdefault(name, []).append(line)
+    skips = set(re.findall(r"branch_computations=\{%([^,}]+)", text))
+    skips |= set(re.findall(r"false_computation=%([^,\s]+)", text))
+    return [
+        line
+        for computation, lines in computations.items()
+        if (computation in skips) == skip_branch
+        for line in lines
+        if COLLECTIVE.search(line)
+    ]
 
 
 def test_sharded_wrap_adds_at_most_one_scalar_collective(mesh):
@@ -115,6 +134,10 @@ def test_sharded_wrap_adds_at_most_one_scalar_collective(mesh):
     )
     extra = len(wrapped_lines) - len(plain_lines)
     assert extra <= 1, wrapped_lines
+    skip_lines = count_collectives(
+        wrapped.update, grads, wrapped.init(params), params, skip_branch=True
+    )
+    assert len(skip_lines) <= 1, skip_lines  # one vector: a flag per leaf
     for line in wrapped_lines:
         # XLA combines the per-leaf partial sums into one all-reduce of scalars.
         result_type = line.split("=", 1)[1].split(COLLECTIVE.search(line).group(1))[0]

@@ -39,8 +39,9 @@ class LossScale:
       `object.__setattr__`, as in any frozen dataclass).
 
     Every state has the counters the library keeps through `lossscale.adjust`:
-    `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32) and
-    `stuck` (bool); see the design note (`docs/design.md`, "States").
+    `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32),
+    `stuck` (bool) and `overflow_leaf` (int32, written by the guarded steps);
+    see the design note (`docs/design.md`, "States").
 
     Examples:
       TF contrib's test manager: the scale goes up by one after a finite step and
@@ -59,7 +60,7 @@ class LossScale:
       7.0 2
       >>> paths = jax.tree_util.tree_leaves_with_path(state)
       >>> print(" ".join(jax.tree_util.keystr(path) for path, _ in paths))
-      .scale .skipped_steps .consecutive_skips .forward_overflows .stuck
+      .scale .skipped_steps .consecutive_skips .forward_overflows .stuck .overflow_leaf
     """
 
     kind = "abstract"
@@ -68,6 +69,7 @@ class LossScale:
     consecutive_skips: jax.Array = field(dtype=jnp.int32, default=0)
     forward_overflows: jax.Array = field(dtype=jnp.int32, default=0)
     stuck: jax.Array = field(dtype=jnp.bool_, default=False)
+    overflow_leaf: jax.Array = field(dtype=jnp.int32, default=-1)
 
     def __init_subclass__(cls, *, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)

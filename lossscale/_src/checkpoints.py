@@ -159,6 +159,8 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
             values[field] = value.reshape(packed.shape[:-1] + shape)
             offset += size
     kind = type(state)
+    for name in NEW_IN_0_3:  # not in a 0.2 checkpoint: its default
+        values[name] = jnp.asarray(getattr(state, name))
     leaves = [values[n].astype(kind._specs[n].dtype) for n in kind._leaves]
     return jax.tree.unflatten(jax.tree.structure(state), leaves)
 
@@ -184,9 +186,14 @@ def _kind(config: Any) -> type[LossScale]:
     return kind
 
 
+# The library's fields that 0.2's states did not have.
+NEW_IN_0_3 = ("overflow_leaf",)
+
+
 def _layout(kind: type[LossScale]) -> dict[str, tuple[np.dtype, list]]:
     """0.2's leaves: name -> (dtype, [(field, size), ...]), as 0.2 packed them."""
-    order = list(COUNTERS) + [n for n in kind._leaves if n not in COUNTERS]
+    order = [n for n in COUNTERS if n not in NEW_IN_0_3]
+    order += [n for n in kind._leaves if n not in COUNTERS]
     layout: dict[str, tuple[np.dtype, list]] = {}
     for name in order:
         spec = kind._specs[name]

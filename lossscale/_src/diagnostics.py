@@ -149,7 +149,13 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
       * `last_finite`: bool, whether the latest step was applied;
       * `stuck`: bool, the latest step overflowed in the backward pass with the
-        scale at its lowest: backing off cannot help; a loop can stop on it.
+        scale at its lowest: backing off cannot help; a loop can stop on it;
+      * `overflow_leaf`: int32, where the latest skipped step overflowed: the
+        index, in `jax.tree.leaves(params)` order, of the first gradient leaf
+        that was not finite; -1 before any skipped step, or if no gradient was
+        (a forward overflow with finite gradients). Recorded by `wrap`,
+        `apply_gradients` and the Flax integrations; `lossscale.leaf_path`
+        names it.
 
     Raises:
       TypeError: if given a spec (a number, "dynamic" or None) instead of a state.
@@ -167,6 +173,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       consecutive_skips 0
       last_finite True
       stuck False
+      overflow_leaf -1
     """
     state = lookup.find(opt_state_or_loss_scale, "opt_state_or_loss_scale")
     # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
@@ -182,4 +189,5 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
         # Derived, not stored: the latest step was applied iff no skip is pending.
         "last_finite": consecutive_skips == jnp.zeros([], jnp.int32),
         "stuck": jnp.asarray(state.stuck),
+        "overflow_leaf": jnp.asarray(state.overflow_leaf),
     }

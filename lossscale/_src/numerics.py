@@ -106,16 +106,62 @@ def all_finite_leaves(leaves: list[Any]) -> jax.Array:
     large, stacks = _grouped(_float_arrays(leaves))
     checks = []
     for values in large:
-        if values.dtype.itemsize < 4:
-            # float16, bfloat16: two plain reductions, the fastest on XLA:CPU.
-            checks.append(jnp.isfinite(jnp.max(values)) & jnp.isfinite(jnp.min(values)))
-        else:
-            checks.append(_finite_sum(values))
+        checks.append(_finite_large(values))
     # One reduction per stack: faster than max and min over a copy (design.md).
     checks.extend(_finite_sum(values) for values in stacks)
     if not checks:
         return jnp.asarray(True)
     return jnp.all(jnp.stack(checks))
+
+
+def first_nonfinite_leaf(grads: Any, state: LossScale, params: Any = None) -> jax.Array:
+    """The index of the first leaf of `grads` whose unscaled values are not finite.
+
+    An int32 scalar, -1 if there is none. Leaves are counted as
+    `jax.tree.leaves(params)` counts them: `None` gradients (Equinox's, for
+    leaves that are not arrays) take their place. The same grouping as
+    `all_finite_leaves`: one reduction per large leaf and per stack of small
+    ones, each stack reduced to one flag per leaf.
+    """
+    leaves, _ = _flatten_keeping_none(grads)
+    if state.min_scale < 1.0:  # as `finite_after_unscaling` checks them
+        unscaled = iter(_unscaled_leaves(grads, state, params))
+        leaves = [g if g is None else next(unscaled) for g in leaves]
+    large, small = [], {}
+    for position, leaf in enumerate(leaves):
+        if leaf is None or not hasattr(leaf, "dtype"):
+            continue
+        leaf = jnp.asarray(leaf)
+        if leaf.size == 0 or not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            continue
+        if leaf.size < GROUP_BELOW:
+            small.setdefault((leaf.shape, leaf.dtype), []).append((position, leaf))
+        else:
+            large.append((position, leaf))
+    positions = [position for position, _ in large]
+    flags = [~_finite_large(leaf)[None] for _, leaf in large]
+    for group in small.values():
+        values = jnp.stack([leaf for _, leaf in group])
+        per_leaf = jnp.sum(values - values, axis=tuple(range(1, values.ndim)))
+        positions.extend(position for position, _ in group)
+        flags.append(~jnp.isfinite(per_leaf))
+    if not flags:
+        return jnp.asarray(-1, jnp.int32)
+    none = jnp.iinfo(jnp.int32).max
+    candidates = jnp.where(
+        jnp.concatenate(flags), jnp.asarray(positions, jnp.int32), jnp.int32(none)
+    )
+    first = jnp.min(candidates)
+    return jnp.where(first == none, jnp.int32(-1), first)
+
+
+def _finite_large(values: jax.Array) -> jax.Array:
+    """Whether a leaf reduced on its own is finite."""
+    if values.dtype.itemsize < 4:
+        # float16, bfloat16: two plain reductions, the fastest on XLA:CPU (and
+        # no float32 copy, which a sum of 16-bit values makes).
+        return jnp.isfinite(jnp.max(values)) & jnp.isfinite(jnp.min(values))
+    return _finite_sum(values)
 
 
 def _finite_sum(values: jax.Array) -> jax.Array:

@@ -86,11 +86,23 @@ def guarded_step(
         # `full_like` of the applied types also keeps their `shard_map` typing
         # (which mapped axes the values vary over).
         zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
-        return zeros, operands[1]
+        # Where it overflowed: computed on skipped steps only, so it costs an
+        # applied step nothing.
+        leaf = numerics.first_nonfinite_leaf(operands[0], loss_scale, params)
+        leaf = first_everywhere(leaf, options.axis_name)
+        return (zeros, operands[1]), leaf + like_applied
 
+    def applied_branch(operands):
+        return apply_branch(operands), like_applied - 1  # unused
+
+    # Both branches' index takes `applied`'s `shard_map` typing (the devices it
+    # varies over), which the skip's, computed from the same gradients, has too.
+    like_applied = jnp.zeros_like(applied, jnp.int32)
     operands = (grads, carry)
-    output, carry = jax.lax.cond(applied, apply_branch, skip_branch, operands)
-    return output, carry, adjust(loss_scale, grads_finite, loss_finite), applied
+    (output, carry), leaf = jax.lax.cond(applied, applied_branch, skip_branch, operands)
+    loss_scale = adjust(loss_scale, grads_finite, loss_finite)
+    overflow_leaf = jnp.where(applied, loss_scale.overflow_leaf, leaf)
+    return output, carry, loss_scale.replace(overflow_leaf=overflow_leaf), applied
 
 
 def _finite_flags(
@@ -125,3 +137,12 @@ def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
     if axis_name is None:
         return flags
     return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1
+
+
+def first_everywhere(index: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
+    """The smallest leaf index over the devices of `axis_name`; -1 (none) is last."""
+    if axis_name is None:
+        return index
+    none = jnp.iinfo(jnp.int32).max
+    first = jax.lax.pmin(jnp.where(index < 0, jnp.int32(none), index), axis_name)
+    return jnp.where(first == none, jnp.int32(-1), first)
