@@ -23,7 +23,9 @@ from lossscale._src.grad import value_and_grad
 from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.locate import OverflowReport
 from lossscale._src.locate import leaf_path
+from lossscale._src.locate import locate_overflow
 from lossscale._src.lookup import get_loss_scale
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
@@ -34,6 +36,7 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "NoOpLossScale",
+    "OverflowReport",
     "StaticLossScale",
     "WrapState",
     "adjust",
@@ -46,6 +49,7 @@ __all__ = (
     "get_loss_scale",
     "grad_stats",
     "leaf_path",
+    "locate_overflow",
     "metrics",
     "scale_loss",
     "unscale_grads",

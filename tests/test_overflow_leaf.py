@@ -53,9 +53,11 @@ def trees(draw):
 @given(trees())
 def test_the_index_is_the_first_non_finite_leaf_as_numpy_finds_it(leaves):
     grads = {f"g{i:02d}": leaf for i, leaf in enumerate(leaves)}
-    index = jax.jit(numerics.first_nonfinite_leaf)(
-        grads, lossscale.StaticLossScale(1.0)
-    )
+
+    def first(grads, state):
+        return numerics.checked_after_unscaling(grads, state).first_nonfinite()
+
+    index = jax.jit(first)(grads, lossscale.StaticLossScale(1.0))
     assert int(index) == reference_first_nonfinite(leaves)
 
 

@@ -1,12 +1,21 @@
-"""Saying where an overflow happened: the gradient leaf, by its path."""
+"""Saying where an overflow happened: the gradient leaf, the op and its line."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from lossscale._src import checks
+from lossscale._src import functional
+from lossscale._src import interpret
+from lossscale._src import kinds
+from lossscale._src import lookup
 
 
 def leaf_path(params: Any, index: Any) -> str | None:
@@ -57,3 +66,197 @@ def leaf_path(params: Any, index: Any) -> str | None:
             " gradients the step checked."
         )
     return jax.tree_util.keystr(paths[position][0])
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+    """Where a step overflowed, from `lossscale.locate_overflow`.
+
+    Attributes:
+      kind: "forward" (the loss is not finite: no scale fixes it), "backward"
+        (the loss is finite, some gradients are not) or None (all finite).
+      leaves: the paths (`jax.tree_util.keystr`) of the parameters whose
+        unscaled gradients are not finite, in `jax.tree.leaves` order.
+      op: the name of the first primitive that produced a non-finite value from
+        finite inputs, in the forward or the backward pass; None if none did.
+      source: `"file:line"` of the user's code that called that op.
+      function: the function that line is in.
+      backward_pass: whether that op is in the backward pass.
+      scale: the loss scale the step was evaluated at.
+      loss: the unscaled loss, as a Python float.
+
+    Examples:
+      >>> import jax.numpy as jnp, lossscale
+      >>> report = lossscale.locate_overflow(
+      ...     lambda w: jnp.sum(w**2), jnp.ones(2), loss_scale=1024.0)
+      >>> print(report)
+      No overflow at loss scale 1024: the loss (2) and every gradient are finite.
+    """
+
+    kind: str | None
+    leaves: tuple[str, ...]
+    op: str | None
+    source: str | None
+    function: str | None
+    backward_pass: bool
+    scale: float
+    loss: float
+
+    def __str__(self) -> str:
+        if self.kind is None:
+            return (
+                f"No overflow at loss scale {self.scale:g}: the loss ({self.loss:g})"
+                " and every gradient are finite."
+            )
+        where = ""
+        if self.op is not None:
+            place = self.source or "an unknown line"
+            if self.function:
+                place += f" (in {self.function})"
+            step = "backward" if self.backward_pass else "forward"
+            where = (
+                f" The first non-finite value came from `{self.op}` at {place},"
+                f" in the {step} pass."
+            )
+        named = ", ".join(self.leaves[:3]) + (
+            f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else ""
+        )
+        grads = f" Non-finite gradients: {named}." if self.leaves else ""
+        if self.kind == "forward":
+            return (
+                f"Forward overflow at loss scale {self.scale:g}: the loss is"
+                f" {self.loss:g}.{where}{grads} No loss scale fixes a forward"
+                " overflow: compute that op in float32 (cast its input with"
+                " `.astype(jnp.float32)`), or keep its input within float16's range"
+                " (e.g. subtract the max before `exp`, as `jax.nn.softmax` does)."
+            )
+        return (
+            f"Backward overflow at loss scale {self.scale:g}: the loss"
+            f" ({self.loss:g}) is finite.{grads}{where} A lower scale avoids it"
+            " (a dynamic scale backs off by itself); if it overflows at low scales"
+            " too, compute that op in float32."
+        )
+
+
+def locate_overflow(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    *args: Any,
+    loss_scale: Any,
+    has_aux: bool = False,
+    **kwargs: Any,
+) -> OverflowReport:
+    """Finds where a step overflows: the gradient leaves, the op and its line.
+
+    Runs `jax.value_and_grad` of `scale_loss(loss_fn(params, *args, **kwargs),
+    loss_scale)` one primitive at a time, on the host, checking what each one
+    produces. It differentiates the floating-point array leaves of `params`
+    (others, such as an Equinox model's functions, are held fixed). Call it on
+    the failing batch, outside the train step; it syncs after every op, so it
+    is slow (seconds for a small model, minutes for a large one). `loss_fn`
+    may be jitted: the walk goes into `jax.jit`, `jax.checkpoint` and custom
+    derivative rules; other control flow (`lax.cond`, `scan`) is named whole.
+
+    Args:
+      loss_fn: the loss function, as the step calls it: it returns a
+        floating-point scalar, or `(loss, aux)` with `has_aux`.
+      params: what the step differentiates: a tree of parameters, a Flax NNX
+        or Equinox model.
+      *args: `loss_fn`'s further arguments (the batch).
+      loss_scale: the scale to evaluate at: a loss-scale state, a tree holding
+        one (the optimizer state), or a positive number.
+      has_aux: whether `loss_fn` returns `(loss, aux)`.
+      **kwargs: `loss_fn`'s keyword arguments.
+
+    Returns:
+      An `OverflowReport`; `str(report)` says what to do.
+
+    Raises:
+      TypeError: if `loss_fn` is not callable, `has_aux` is not a bool,
+        `loss_scale` is none of the above, or `loss_fn` does not return a
+        floating-point scalar.
+      ValueError: if `loss_scale` is a number that is not positive and finite,
+        or `params` has no floating-point array to differentiate.
+
+    Examples:
+      >>> import jax.numpy as jnp, lossscale
+      >>> def loss_fn(params, x):
+      ...     h = jnp.exp(x.astype(jnp.float16) * params["w"].astype(jnp.float16))
+      ...     return jnp.sum(h.astype(jnp.float32))
+      >>> report = lossscale.locate_overflow(
+      ...     loss_fn, {"w": jnp.ones(2)}, jnp.array([1.0, 20.0]), loss_scale=1024.0)
+      >>> print(report.kind, report.op, report.leaves)
+      forward exp ("['w']",)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    state = _state(loss_scale)
+    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+    differentiated = [i for i, leaf in enumerate(leaves) if _inexact_array(leaf)]
+    if not differentiated:
+        raise ValueError(
+            "`params` has no floating-point array to differentiate; pass what the"
+            " train step differentiates (the parameters, or the model)."
+        )
+    arg_leaves, arg_tree = jax.tree.flatten(args)
+    arrays = [i for i, leaf in enumerate(arg_leaves) if _array(leaf)]
+
+    def rebuild(values, positions, template, tree):
+        out = list(template)
+        for i, value in zip(positions, values, strict=True):
+            out[i] = value
+        return jax.tree.unflatten(tree, out)
+
+    def scaled(diff, batch):
+        out = loss_fn(
+            rebuild(diff, differentiated, leaves, treedef),
+            *rebuild(batch, arrays, arg_leaves, arg_tree),
+            **kwargs,
+        )
+        loss = out[0] if has_aux else out
+        loss = checks.check_loss(loss, "loss_fn(params, ...)")
+        return functional.scale_loss(loss, state), loss
+
+    def step(diff, batch):
+        return jax.value_and_grad(scaled, has_aux=True)(diff, batch)
+
+    diff = [leaves[i] for i in differentiated]
+    batch = [arg_leaves[i] for i in arrays]
+    closed, shape = jax.make_jaxpr(step, return_shape=True)(diff, batch)
+    outputs, producer = interpret.run(closed, jax.tree.leaves((diff, batch)))
+    (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), outputs)
+    paths = [path for path, _ in interpret.leaves_with_paths(params)]
+    inverse = 1.0 / float(state.scale)
+    bad = tuple(
+        paths[i]
+        for i, g in zip(differentiated, grads, strict=True)
+        if interpret.nonfinite(jnp.asarray(g, jnp.float32) * inverse)
+    )
+    loss = float(loss)
+    kind = "forward" if not np.isfinite(loss) else ("backward" if bad else None)
+    return OverflowReport(
+        kind=kind,
+        leaves=bad,
+        op=None if kind is None or producer is None else producer.op,
+        source=None if kind is None or producer is None else producer.source,
+        function=None if kind is None or producer is None else producer.function,
+        backward_pass=bool(kind and producer and producer.backward),
+        scale=float(state.scale),
+        loss=loss,
+    )
+
+
+def _state(loss_scale: Any) -> Any:
+    if checks.is_number(loss_scale):
+        return kinds.StaticLossScale(loss_scale)
+    return lookup.find(loss_scale, "loss_scale")
+
+
+def _array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def _inexact_array(leaf: Any) -> bool:
+    return _array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)

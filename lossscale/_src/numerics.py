@@ -6,6 +6,7 @@ Why each formulation is what it is, with the XLA measurements behind it, is in
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -52,22 +53,55 @@ def unscale(grads: Any, state: LossScale, params: Any = None) -> Any:
     )
 
 
-def finite_after_unscaling(
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """The check's result: whether all is finite, and which leaves are not.
+
+    `leaf_flags[i]` says whether the leaf at `positions[i]` (in the order of the
+    gradients flattened with `None` kept, `jax.tree.leaves(params)`'s) is finite;
+    None when no leaf was checked.
+    """
+
+    finite: jax.Array
+    leaf_flags: jax.Array | None
+    positions: tuple[int, ...]
+
+    def first_nonfinite(self) -> jax.Array:
+        """The position of the first non-finite leaf, an int32; -1 if none."""
+        if self.leaf_flags is None:
+            return jnp.asarray(-1, jnp.int32)
+        none = jnp.iinfo(jnp.int32).max
+        positions = jnp.asarray(self.positions, jnp.int32)
+        first = jnp.min(jnp.where(self.leaf_flags, jnp.int32(none), positions))
+        return jnp.where(first == none, jnp.int32(-1), first)
+
+
+def checked_after_unscaling(
     grads: Any, state: LossScale, params: Any = None
-) -> jax.Array:
+) -> Checked:
     """Whether `unscale(grads, state, params)` is finite: one pass over `grads`.
 
     Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
     they are; below 1 it reduces the unscaled values, inf where they overflow.
     """
+    leaves, _ = _flatten_keeping_none(grads)
     if state.min_scale < 1.0:
-        return all_finite_leaves(_unscaled_leaves(grads, state, params))
-    finite = all_finite_leaves(jax.tree.leaves(grads))
+        unscaled = iter(_unscaled_leaves(grads, state, params))
+        return check_leaves([g if g is None else next(unscaled) for g in leaves])
+    checked = check_leaves(leaves)
     if state.min_scale == state.max_scale:  # a constant, checked when built
-        return finite
+        return checked
     # A rule that breaks its own `min_scale` (a scale of 0) would put 0 * inf
     # into the parameters: one scalar keeps that step out.
-    return finite & jnp.isfinite(inverse_scale(state))
+    finite = checked.finite & jnp.isfinite(inverse_scale(state))
+    return dataclasses.replace(checked, finite=finite)
+
+
+def finite_after_unscaling(
+    grads: Any, state: LossScale, params: Any = None
+) -> jax.Array:
+    """`checked_after_unscaling(...).finite`."""
+    return checked_after_unscaling(grads, state, params).finite
 
 
 def norm_after_unscaling(grads: Any, state: LossScale, params: Any = None) -> jax.Array:
@@ -95,78 +129,66 @@ GROUP_BELOW = 4096
 
 
 def all_finite_leaves(leaves: list[Any]) -> jax.Array:
-    """Whether every element of every floating-point leaf is finite.
+    """Whether every element of every floating-point leaf is finite."""
+    return check_leaves(leaves).finite
 
-    Other leaves (integers, bools, and objects that are not arrays) are skipped.
 
-    A leaf of 4096 elements or more is reduced on its own, in one read (two for
-    16-bit leaves); smaller leaves of one shape and dtype are stacked and reduced
-    together (design.md, Checking finiteness).
+def check_leaves(leaves: list[Any]) -> Checked:
+    """Whether each floating-point leaf is finite, and all of them.
+
+    Other leaves (None, integers, bools, and objects that are not arrays) are
+    skipped. A leaf of 4096 elements or more is reduced on its own, in one read
+    (two for 16-bit leaves); smaller leaves of one shape and dtype are stacked
+    and reduced together, to one flag per leaf (design.md, Checking finiteness).
     """
-    large, stacks = _grouped(_float_arrays(leaves))
-    checks = []
-    for values in large:
-        checks.append(_finite_large(values))
-    # One reduction per stack: faster than max and min over a copy (design.md).
-    checks.extend(_finite_sum(values) for values in stacks)
-    if not checks:
-        return jnp.asarray(True)
-    return jnp.all(jnp.stack(checks))
-
-
-def first_nonfinite_leaf(grads: Any, state: LossScale, params: Any = None) -> jax.Array:
-    """The index of the first leaf of `grads` whose unscaled values are not finite.
-
-    An int32 scalar, -1 if there is none. Leaves are counted as
-    `jax.tree.leaves(params)` counts them: `None` gradients (Equinox's, for
-    leaves that are not arrays) take their place. The same grouping as
-    `all_finite_leaves`: one reduction per large leaf and per stack of small
-    ones, each stack reduced to one flag per leaf.
-    """
-    leaves, _ = _flatten_keeping_none(grads)
-    if state.min_scale < 1.0:  # as `finite_after_unscaling` checks them
-        unscaled = iter(_unscaled_leaves(grads, state, params))
-        leaves = [g if g is None else next(unscaled) for g in leaves]
-    large, small = [], {}
+    large, small = {}, {}
     for position, leaf in enumerate(leaves):
-        if leaf is None or not hasattr(leaf, "dtype"):
-            continue
+        if leaf is None or (
+            not hasattr(leaf, "dtype") and not isinstance(leaf, float | complex)
+        ):
+            continue  # not an array: e.g. a function or a name in an Equinox model
         leaf = jnp.asarray(leaf)
         if leaf.size == 0 or not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            continue
+            continue  # nothing in it can be non-finite
         if leaf.size < GROUP_BELOW:
             small.setdefault((leaf.shape, leaf.dtype), []).append((position, leaf))
         else:
-            large.append((position, leaf))
-    positions = [position for position, _ in large]
-    flags = [~_finite_large(leaf)[None] for _, leaf in large]
-    for group in small.values():
-        values = jnp.stack([leaf for _, leaf in group])
-        per_leaf = jnp.sum(values - values, axis=tuple(range(1, values.ndim)))
+            large.setdefault(leaf.dtype, []).append((position, leaf))
+    # Each leaf is reduced to a float32 probe, non-finite exactly when the leaf
+    # is, and one `isfinite` over all probes gives the flags. The probes are
+    # stacked by dtype before any elementwise op: an op per leaf on its reduced
+    # scalar would cost XLA:CPU a kernel per leaf.
+    positions, probes = [], []
+    for dtype, group in large.items():
+        values = [leaf for _, leaf in group]
+        if dtype.itemsize < 4:
+            # float16, bfloat16: two plain reductions, the fastest on XLA:CPU
+            # (no float32 copy, which a sum of 16-bit values makes). Their
+            # difference in float32 is finite exactly when both are.
+            top = jnp.stack([jnp.max(v) for v in values]).astype(jnp.float32)
+            low = jnp.stack([jnp.min(v) for v in values]).astype(jnp.float32)
+            probes.append(top - low)
+        else:
+            # 0 where finite, NaN elsewhere; a sum of zeros cannot overflow.
+            probes.append(_float32(jnp.stack([jnp.sum(v - v) for v in values])))
         positions.extend(position for position, _ in group)
-        flags.append(~jnp.isfinite(per_leaf))
-    if not flags:
-        return jnp.asarray(-1, jnp.int32)
-    none = jnp.iinfo(jnp.int32).max
-    candidates = jnp.where(
-        jnp.concatenate(flags), jnp.asarray(positions, jnp.int32), jnp.int32(none)
-    )
-    first = jnp.min(candidates)
-    return jnp.where(first == none, jnp.int32(-1), first)
+    for group in small.values():
+        # One reduction per stack: faster than max and min over a copy (design.md).
+        values = jnp.stack([leaf for _, leaf in group])
+        rows = jnp.sum(values - values, axis=tuple(range(1, values.ndim)))
+        probes.append(_float32(rows))
+        positions.extend(position for position, _ in group)
+    if not probes:
+        return Checked(jnp.asarray(True), None, ())
+    leaf_flags = jnp.isfinite(jnp.concatenate(probes))
+    return Checked(jnp.all(leaf_flags), leaf_flags, tuple(positions))
 
 
-def _finite_large(values: jax.Array) -> jax.Array:
-    """Whether a leaf reduced on its own is finite."""
-    if values.dtype.itemsize < 4:
-        # float16, bfloat16: two plain reductions, the fastest on XLA:CPU (and
-        # no float32 copy, which a sum of 16-bit values makes).
-        return jnp.isfinite(jnp.max(values)) & jnp.isfinite(jnp.min(values))
-    return _finite_sum(values)
-
-
-def _finite_sum(values: jax.Array) -> jax.Array:
-    # 0 where finite, NaN elsewhere; a sum of zeros cannot overflow.
-    return jnp.isfinite(jnp.sum(values - values))
+def _float32(zeros_or_nan: jax.Array) -> jax.Array:
+    """Sums of `x - x` as float32, NaN where they are (complex: either part)."""
+    if jnp.iscomplexobj(zeros_or_nan):
+        zeros_or_nan = jnp.abs(zeros_or_nan)
+    return zeros_or_nan.astype(jnp.float32)
 
 
 def _grouped(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
@@ -185,18 +207,6 @@ def _grouped(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]
         else:
             large.append(leaf)
     return large, [jnp.stack(group) for group in small.values()]
-
-
-def _float_arrays(leaves: list[Any]) -> list[jax.Array]:
-    """The floating-point (and complex) leaves, as arrays."""
-    arrays = []
-    for leaf in leaves:
-        if not hasattr(leaf, "dtype") and not isinstance(leaf, float | complex):
-            continue  # not an array: e.g. a function or a name in an Equinox model
-        leaf = jnp.asarray(leaf)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            arrays.append(leaf)
-    return arrays
 
 
 def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:

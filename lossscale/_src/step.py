@@ -54,7 +54,7 @@ def guarded_step(
       `(output, carry, loss_scale, applied)`.
     """
     checks.check_gradients(grads, params)
-    grads_finite, loss_finite, norm = _finite_flags(
+    grads_finite, loss_finite, norm, checked = _finite_flags(
         grads, params, loss_scale, value, options
     )
     applied = grads_finite & loss_finite
@@ -88,7 +88,13 @@ def guarded_step(
         zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
         # Where it overflowed: computed on skipped steps only, so it costs an
         # applied step nothing.
-        leaf = numerics.first_nonfinite_leaf(operands[0], loss_scale, params)
+        if checked is None:  # with `clip_norm` the norm was the check
+            checked_here = numerics.checked_after_unscaling(
+                operands[0], loss_scale, params
+            )
+            leaf = checked_here.first_nonfinite()
+        else:
+            leaf = checked.first_nonfinite()
         leaf = first_everywhere(leaf, options.axis_name)
         return (zeros, operands[1]), leaf + like_applied
 
@@ -111,22 +117,28 @@ def _finite_flags(
     loss_scale: LossScale,
     value: Any,
     options: checks.StepOptions,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Whether the unscaled gradients, and the loss, are finite; and the norm."""
+) -> tuple[jax.Array, jax.Array, jax.Array | None, numerics.Checked | None]:
+    """Whether the unscaled gradients and the loss are finite; the norm; the check.
+
+    The check's per-leaf flags name the leaf on a skipped step; with `clip_norm`
+    the norm is the check, and there are none (None).
+    """
     if value is None:
         loss_finite = jnp.asarray(True)
     else:
         loss_finite = jnp.isfinite(checks.check_loss(value, "value"))
     if options.clip_norm is None:
         norm = None
-        grads_finite = numerics.finite_after_unscaling(grads, loss_scale, params)
+        checked = numerics.checked_after_unscaling(grads, loss_scale, params)
+        grads_finite = checked.finite
     else:
         norm = numerics.norm_after_unscaling(grads, loss_scale, params)
+        checked = None
         grads_finite = jnp.isfinite(norm)
     grads_finite, loss_finite = agree(
         jnp.stack([grads_finite, loss_finite]), options.axis_name
     )
-    return grads_finite, loss_finite, norm
+    return grads_finite, loss_finite, norm, checked
 
 
 def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:

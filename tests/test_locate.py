@@ -1,0 +1,218 @@
+"""`lossscale.locate_overflow`: the leaves, the op and the line of an overflow."""
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lossscale
+
+F16 = jnp.float16
+SCALE = 1024.0
+
+
+def line_of(marker):
+    """`"this file:line"` of the line ending with `# marker`."""
+    with open(__file__) as f:
+        for number, line in enumerate(f, start=1):
+            if line.rstrip().endswith(f"# {marker}"):
+                return f"{__file__}:{number}"
+    raise AssertionError(marker)
+
+
+def two_leaf_loss(params, x, y):
+    h = jnp.exp(x.astype(F16) * params["a"].astype(F16))  # exp-line
+    z = y.astype(F16) * params["b"].astype(F16)  # mul-line
+    return jnp.sum(h.astype(jnp.float32)) + jnp.sum(z.astype(jnp.float32))
+
+
+PARAMS = {"a": jnp.ones(3), "b": jnp.ones(3)}
+X_FINE, Y_FINE = jnp.full(3, 0.5), jnp.full(3, 2.0)
+
+
+def reference_bad_leaves(loss_fn, params, *args):
+    """Which unscaled gradients of the scaled loss are not finite: jax.grad."""
+    grads = jax.grad(lambda p: loss_fn(p, *args) * SCALE)(params)
+    return tuple(
+        jax.tree_util.keystr(path)
+        for path, g in jax.tree_util.tree_leaves_with_path(grads)
+        if not np.isfinite(np.asarray(g, np.float32) / SCALE).all()
+    )
+
+
+def test_a_forward_overflow_in_exp_is_named_with_its_line():
+    x = X_FINE.at[1].set(20.0)  # exp(20) overflows float16
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
+    )
+    assert report.kind == "forward"
+    assert report.op == "exp" and not report.backward_pass
+    assert report.source == line_of("exp-line")
+    assert report.function == "two_leaf_loss"
+    assert report.loss == np.inf and report.scale == SCALE
+    assert report.leaves == reference_bad_leaves(two_leaf_loss, PARAMS, x, Y_FINE)
+    text = str(report)
+    assert "Forward overflow at loss scale 1024" in text
+    assert f"`exp` at {line_of('exp-line')} (in two_leaf_loss)" in text
+    assert "No loss scale fixes" in text
+
+
+def test_a_backward_overflow_in_one_leaf_names_that_leaf_and_the_op():
+    # y * b is finite forward; its gradient for b is SCALE * y = 102400 > 65504.
+    y = jnp.full(3, 100.0)
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, y, loss_scale=SCALE
+    )
+    assert report.kind == "backward"
+    assert report.leaves == ("['b']",)
+    assert report.leaves == reference_bad_leaves(two_leaf_loss, PARAMS, X_FINE, y)
+    assert report.op == "mul" and report.backward_pass
+    assert report.source == line_of("mul-line")
+    assert "Backward overflow at loss scale 1024" in str(report)
+    assert "Non-finite gradients: ['b']" in str(report)
+    # At a lower scale it is finite: what the report's advice says.
+    lower = lossscale.locate_overflow(two_leaf_loss, PARAMS, X_FINE, y, loss_scale=8.0)
+    assert lower.kind is None
+
+
+def test_a_finite_step_reports_nothing():
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=SCALE
+    )
+    assert (report.kind, report.leaves, report.op, report.source) == (
+        None,
+        (),
+        None,
+        None,
+    )
+    expected = float(two_leaf_loss(PARAMS, X_FINE, Y_FINE))
+    assert report.loss == expected
+    assert str(report).startswith("No overflow at loss scale 1024")
+
+
+def test_has_aux_and_a_jitted_loss_are_located_inside_the_jit():
+    @jax.jit
+    def loss_with_aux(params, x, y):
+        loss = two_leaf_loss(params, x, y)
+        return loss, {"loss": loss}
+
+    x = X_FINE.at[0].set(30.0)
+    report = lossscale.locate_overflow(
+        loss_with_aux, PARAMS, x, Y_FINE, loss_scale=SCALE, has_aux=True
+    )
+    assert (report.kind, report.op) == ("forward", "exp")
+    assert report.source == line_of("exp-line")
+
+
+def test_the_scale_comes_from_a_state_or_an_optimizer_state():
+    import optax
+
+    y = jnp.full(3, 100.0)
+    state = lossscale.DynamicLossScale(scale=SCALE)
+    opt_state = lossscale.wrap(optax.sgd(0.1), state).init(PARAMS)
+    for loss_scale in (state, opt_state):
+        report = lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, y, loss_scale=loss_scale
+        )
+        assert report.kind == "backward" and report.scale == SCALE
+
+
+class Attention(nn.Module):
+    """A float16 attention whose softmax is written without the max subtraction."""
+
+    @nn.compact
+    def __call__(self, x):
+        q = nn.Dense(4, dtype=F16)(x)
+        k = nn.Dense(4, dtype=F16)(x)
+        scores = q @ k.T
+        weights = jnp.exp(scores)  # linen-softmax-line
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return nn.LayerNorm(dtype=F16)(weights @ x.astype(F16))
+
+
+def test_a_flax_linen_attention_softmax_overflow_is_located():
+    model = Attention()
+    x = jnp.ones((3, 4))
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(params, x):
+        return jnp.mean(model.apply({"params": params}, x).astype(jnp.float32) ** 2)
+
+    assert lossscale.locate_overflow(loss_fn, params, x, loss_scale=SCALE).kind is None
+    report = lossscale.locate_overflow(loss_fn, params, x * 30.0, loss_scale=SCALE)
+    assert (report.kind, report.op) == ("forward", "exp")
+    assert report.source == line_of("linen-softmax-line")
+    assert report.function == "Attention.__call__"
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(3, 4, dtype=F16, rngs=rngs)
+        self.out = nnx.Linear(4, 1, dtype=F16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))  # nnx-line
+
+
+def test_an_nnx_model_backward_overflow_names_its_parameters():
+    model = NnxMLP(nnx.Rngs(0))
+    x = jnp.full((2, 3), 60.0)
+
+    def loss_fn(model, x):
+        return jnp.mean(model(x).astype(jnp.float32))
+
+    report = lossscale.locate_overflow(loss_fn, model, x, loss_scale=2.0**14)
+    assert report.kind == "backward"
+    paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)
+    ]
+    assert report.leaves and set(report.leaves) <= set(paths)
+    assert any("hidden" in leaf and "kernel" in leaf for leaf in report.leaves)
+    assert report.backward_pass and report.source == line_of("nnx-line")
+
+
+def test_an_equinox_model_keeps_its_functions_fixed_and_names_array_leaves():
+    model = eqx.nn.MLP(3, 1, 8, depth=2, activation=jax.nn.relu, key=jax.random.key(0))
+
+    def loss_fn(model, x):
+        model = jax.tree.map(
+            lambda p: p.astype(F16) if eqx.is_inexact_array(p) else p, model
+        )
+        return jnp.mean(jax.vmap(model)(x.astype(F16)).astype(jnp.float32))
+
+    x = jnp.full((4, 3), 100.0)
+    report = lossscale.locate_overflow(loss_fn, model, x, loss_scale=2.0**15)
+    assert report.kind == "backward"
+    arrays = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+        if eqx.is_array(leaf)
+    ]
+    assert report.leaves and set(report.leaves) <= set(arrays)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(loss_scale=-1.0), ValueError, "value"),
+        (dict(loss_scale="dynamic"), TypeError, "loss_scale"),
+        (dict(loss_scale=SCALE, has_aux=1), TypeError, "has_aux"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        lossscale.locate_overflow(two_leaf_loss, PARAMS, X_FINE, Y_FINE, **kwargs)
+
+
+def test_bad_functions_and_params_are_refused():
+    with pytest.raises(TypeError, match="`loss_fn` must be callable"):
+        lossscale.locate_overflow("loss", PARAMS, loss_scale=SCALE)
+    with pytest.raises(ValueError, match="no floating-point array"):
+        lossscale.locate_overflow(lambda p: 0.0, {"n": 3}, loss_scale=SCALE)
+    with pytest.raises(ValueError, match=r"`loss_fn\(params, ...\)` must be a scalar"):
+        lossscale.locate_overflow(lambda p: p["a"], PARAMS, loss_scale=SCALE)
+    with pytest.raises(TypeError, match=r"`loss_fn\(params, ...\)`"):
+        lossscale.locate_overflow(lambda p: jnp.int32(1), PARAMS, loss_scale=SCALE)
