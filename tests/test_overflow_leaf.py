@@ -104,6 +104,21 @@ def test_the_index_counts_leaves_in_the_parameters_order_with_their_paths():
         assert lossscale.leaf_path(params, index) == paths[bad]
 
 
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_with_clip_norm_the_leaf_is_found_too(clip_norm):
+    # With `clip_norm` the norm is the check: the skip branch finds the leaf.
+    params, grads = params_and_grads(3)
+    _, _, loss_scale = lossscale.apply_gradients(
+        optax.sgd(0.1),
+        grads=grads,
+        params=params,
+        opt_state=optax.sgd(0.1).init(params),
+        loss_scale=lossscale.StaticLossScale(4.0),
+        clip_norm=clip_norm,
+    )
+    assert int(loss_scale.overflow_leaf) == 3
+
+
 def test_a_forward_overflow_with_finite_gradients_records_no_leaf():
     params, grads = params_and_grads()
     tx = lossscale.wrap(optax.sgd(0.1))

@@ -86,16 +86,12 @@ def guarded_step(
         # `full_like` of the applied types also keeps their `shard_map` typing
         # (which mapped axes the values vary over).
         zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
-        # Where it overflowed: computed on skipped steps only, so it costs an
-        # applied step nothing.
-        if checked is None:  # with `clip_norm` the norm was the check
-            checked_here = numerics.checked_after_unscaling(
-                operands[0], loss_scale, params
-            )
-            leaf = checked_here.first_nonfinite()
-        else:
-            leaf = checked.first_nonfinite()
-        leaf = first_everywhere(leaf, options.axis_name)
+        # Where it overflowed: the first leaf the check flagged. With
+        # `clip_norm` the norm was the check, so the flags are computed here.
+        flagged = checked
+        if flagged is None:
+            flagged = numerics.checked_after_unscaling(operands[0], loss_scale, params)
+        leaf = first_everywhere(flagged.first_nonfinite(), options.axis_name)
         return (zeros, operands[1]), leaf + like_applied
 
     def applied_branch(operands):
