@@ -319,6 +319,14 @@ def runners(step, mode):
     )
 
 
+def side_by_side(states, upstream_step, ported_step, mode):
+    """Both states placed, both steps' runners, and `get` (to the host's view)."""
+    upstream, ported = states("batch" if mode == "pmap" else None)
+    run_up, put, get = runners(upstream_step, mode)
+    run_ours, _, _ = runners(ported_step, mode)
+    return put(upstream), put(ported), run_up, run_ours, get
+
+
 def assert_same_step(upstream, ported, fields):
     # Not bit for bit: XLA fuses the two programs' updates differently, and the
     # float32 roundings differ by an ulp from the first applied steps on (float16
@@ -336,14 +344,13 @@ def assert_same_step(upstream, ported, fields):
 
 @pytest.mark.parametrize("mode", ["pmap", "jit"])
 def test_the_imagenet_step_ported_trains_as_upstream(mode):
-    upstream, ported = imagenet_states("batch" if mode == "pmap" else None)
     # Upstream writes `batch_stats` on skipped steps, lossscale keeps them (the
     # next test): the comparison adds that select to upstream's step. The
     # parameters do not depend on it (training normalizes by batch statistics).
     keep = functools.partial(upstream_imagenet_step, keep_batch_stats=True)
-    run_up, put, get = runners(keep, mode)
-    run_ours, _, _ = runners(ported_imagenet_step, mode)
-    upstream, ported = put(upstream), put(ported)
+    upstream, ported, run_up, run_ours, get = side_by_side(
+        imagenet_states, keep, ported_imagenet_step, mode
+    )
     trace_up = []
     for i in range(12):
         batch = imagenet_batch(i)
@@ -365,10 +372,9 @@ def test_the_imagenet_step_ported_trains_as_upstream(mode):
 
 @pytest.mark.parametrize("mode", ["pmap", "jit"])
 def test_a_forward_overflow_batch_keeps_batch_norm_statistics_finite(mode):
-    upstream, ported = imagenet_states("batch" if mode == "pmap" else None)
-    run_up, put, get = runners(upstream_imagenet_step, mode)
-    run_ours, _, _ = runners(ported_imagenet_step, mode)
-    upstream, ported = put(upstream), put(ported)
+    upstream, ported, run_up, run_ours, get = side_by_side(
+        imagenet_states, upstream_imagenet_step, ported_imagenet_step, mode
+    )
     before = get(ported)
     upstream = run_up(upstream, imagenet_batch(0, overflow=True))
     ported = run_ours(ported, imagenet_batch(0, overflow=True))
@@ -389,10 +395,9 @@ def test_a_forward_overflow_batch_keeps_batch_norm_statistics_finite(mode):
 
 @pytest.mark.parametrize("mode", ["pmap", "jit"])
 def test_the_wmt_step_ported_trains_as_upstream(mode):
-    upstream, ported = wmt_states("batch" if mode == "pmap" else None)
-    run_up, put, get = runners(upstream_wmt_step, mode)
-    run_ours, _, _ = runners(ported_wmt_step, mode)
-    upstream, ported = put(upstream), put(ported)
+    upstream, ported, run_up, run_ours, get = side_by_side(
+        wmt_states, upstream_wmt_step, ported_wmt_step, mode
+    )
     skipped = []
     for i in range(12):
         # The examples fold `state.step` into the dropout key; Flax's step counts

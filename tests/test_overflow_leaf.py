@@ -104,10 +104,8 @@ def test_the_index_counts_leaves_in_the_parameters_order_with_their_paths():
         assert lossscale.leaf_path(params, index) == paths[bad]
 
 
-@pytest.mark.parametrize("clip_norm", [None, 1.0])
-def test_with_clip_norm_the_leaf_is_found_too(clip_norm):
-    # With `clip_norm` the norm is the check: the skip branch finds the leaf.
-    params, grads = params_and_grads(3)
+def apply_gradients_overflow_leaf(bad_leaf, clip_norm=None):
+    params, grads = params_and_grads(bad_leaf)
     _, _, loss_scale = lossscale.apply_gradients(
         optax.sgd(0.1),
         grads=grads,
@@ -116,7 +114,13 @@ def test_with_clip_norm_the_leaf_is_found_too(clip_norm):
         loss_scale=lossscale.StaticLossScale(4.0),
         clip_norm=clip_norm,
     )
-    assert int(loss_scale.overflow_leaf) == 3
+    return int(loss_scale.overflow_leaf)
+
+
+@pytest.mark.parametrize("clip_norm", [None, 1.0])
+def test_with_clip_norm_the_leaf_is_found_too(clip_norm):
+    # With `clip_norm` the norm is the check: the skip branch finds the leaf.
+    assert apply_gradients_overflow_leaf(3, clip_norm) == 3
 
 
 def test_a_forward_overflow_with_finite_gradients_records_no_leaf():
@@ -145,15 +149,8 @@ def test_below_a_scale_of_one_the_leaf_that_overflows_after_unscaling_is_named()
 
 
 def test_apply_gradients_train_state_and_nnx_optimizer_record_it():
+    assert apply_gradients_overflow_leaf(5) == 5
     params, grads = params_and_grads(5)
-    _, _, loss_scale = lossscale.apply_gradients(
-        optax.sgd(0.1),
-        grads=grads,
-        params=params,
-        opt_state=optax.sgd(0.1).init(params),
-        loss_scale=lossscale.StaticLossScale(4.0),
-    )
-    assert int(loss_scale.overflow_leaf) == 5
 
     state = lossscale.flax.TrainState.create(
         apply_fn=None, params=params, tx=optax.sgd(0.1), loss_scale=4.0

@@ -14,7 +14,6 @@ import os
 import sys
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend import core
 
@@ -148,13 +147,3 @@ def _user_frame(traceback: Any) -> Any:
         ):
             return frame
     return None
-
-
-def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
-    """`(keystr(path), leaf)` for every leaf, `None` counted as a leaf."""
-    return [
-        (jax.tree_util.keystr(path), leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(
-            tree, is_leaf=lambda x: x is None
-        )
-    ]

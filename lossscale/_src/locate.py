@@ -53,9 +53,7 @@ def leaf_path(params: Any, index: Any) -> str | None:
             "`index` must be an integer scalar (e.g. `metrics(opt_state)"
             f'["overflow_leaf"]`), got {index!r}.'
         )
-    # `None` counts as a leaf, as in the step's count: Equinox's filtered
-    # parameters have None where the model has a function.
-    paths = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: x is None)
+    paths, _, _ = _flatten_with_paths(params)
     position = int(value)
     if position == -1:
         return None
@@ -65,7 +63,7 @@ def leaf_path(params: Any, index: Any) -> str | None:
             f" -1 (no overflow yet) or in [0, {len(paths)}). Pass the tree whose"
             " gradients the step checked."
         )
-    return jax.tree_util.keystr(paths[position][0])
+    return paths[position]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +191,7 @@ def locate_overflow(
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     state = _state(loss_scale)
-    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+    paths, leaves, treedef = _flatten_with_paths(params)
     differentiated = [i for i, leaf in enumerate(leaves) if _inexact_array(leaf)]
     if not differentiated:
         raise ValueError(
@@ -227,7 +225,6 @@ def locate_overflow(
     closed, shape = jax.make_jaxpr(step, return_shape=True)(diff, batch)
     outputs, producer = interpret.run(closed, jax.tree.leaves((diff, batch)))
     (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), outputs)
-    paths = [path for path, _ in interpret.leaves_with_paths(params)]
     inverse = 1.0 / float(state.scale)
     bad = tuple(
         paths[i]
@@ -246,6 +243,19 @@ def locate_overflow(
         scale=float(state.scale),
         loss=loss,
     )
+
+
+def _flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """`(keystr paths, leaves, treedef)` of `tree`, `None` counted as a leaf.
+
+    As the step counts them: Equinox's filtered parameters have None where the
+    model has a function.
+    """
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is None
+    )
+    paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
+    return paths, [leaf for _, leaf in with_paths], treedef
 
 
 def _state(loss_scale: Any) -> Any:

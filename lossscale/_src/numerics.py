@@ -141,25 +141,16 @@ def check_leaves(leaves: list[Any]) -> Checked:
     (two for 16-bit leaves); smaller leaves of one shape and dtype are stacked
     and reduced together, to one flag per leaf (design.md, Checking finiteness).
     """
-    large, small = {}, {}
-    for position, leaf in enumerate(leaves):
-        if leaf is None or (
-            not hasattr(leaf, "dtype") and not isinstance(leaf, float | complex)
-        ):
-            continue  # not an array: e.g. a function or a name in an Equinox model
-        leaf = jnp.asarray(leaf)
-        if leaf.size == 0 or not jnp.issubdtype(leaf.dtype, jnp.inexact):
-            continue  # nothing in it can be non-finite
-        if leaf.size < GROUP_BELOW:
-            small.setdefault((leaf.shape, leaf.dtype), []).append((position, leaf))
-        else:
-            large.setdefault(leaf.dtype, []).append((position, leaf))
+    large, small = _groups(leaves)
+    by_dtype = {}
+    for position, leaf in large:
+        by_dtype.setdefault(leaf.dtype, []).append((position, leaf))
     # Each leaf is reduced to a float32 probe, non-finite exactly when the leaf
     # is, and one `isfinite` over all probes gives the flags. The probes are
     # stacked by dtype before any elementwise op: an op per leaf on its reduced
     # scalar would cost XLA:CPU a kernel per leaf.
     positions, probes = [], []
-    for dtype, group in large.items():
+    for dtype, group in by_dtype.items():
         values = [leaf for _, leaf in group]
         if dtype.itemsize < 4:
             # float16, bfloat16: two plain reductions, the fastest on XLA:CPU
@@ -191,22 +182,41 @@ def _float32(zeros_or_nan: jax.Array) -> jax.Array:
     return zeros_or_nan.astype(jnp.float32)
 
 
-def _grouped(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+def _groups(leaves: list[Any]) -> tuple[list[tuple[int, jax.Array]], dict]:
+    """The floating-point leaves to reduce, with their positions in `leaves`.
+
+    Returns `(large, small)`: each leaf of 4096 elements or more, as
+    `(position, leaf)` in order; and the smaller ones, grouped by shape and
+    dtype (`{(shape, dtype): [(position, leaf), ...]}`) to be stacked. Other
+    leaves (None, integers, bools, and objects that are not arrays) and
+    zero-size ones are left out: nothing in them can be non-finite.
+    """
+    large, small = [], {}
+    for position, leaf in enumerate(leaves):
+        if leaf is None or (
+            not hasattr(leaf, "dtype") and not isinstance(leaf, float | complex)
+        ):
+            continue  # not an array: e.g. a function or a name in an Equinox model
+        leaf = jnp.asarray(leaf)
+        if leaf.size == 0 or not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            continue
+        if leaf.size < GROUP_BELOW:
+            small.setdefault((leaf.shape, leaf.dtype), []).append((position, leaf))
+        else:
+            large.append((position, leaf))
+    return large, small
+
+
+def _grouped(leaves: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
     """The arrays to reduce: each large leaf, and the small ones stacked.
 
     Small leaves are stacked (a new leading axis) by shape and dtype rather than
     concatenated, so that leaves sharded alike stay sharded: no collective moves
-    them. Zero-size leaves are left out: nothing in them can be non-finite.
+    them.
     """
-    large, small = [], {}
-    for leaf in leaves:
-        if leaf.size == 0:
-            continue
-        if leaf.size < GROUP_BELOW:
-            small.setdefault((leaf.shape, leaf.dtype), []).append(leaf)
-        else:
-            large.append(leaf)
-    return large, [jnp.stack(group) for group in small.values()]
+    large, small = _groups(leaves)
+    stacks = [jnp.stack([leaf for _, leaf in group]) for group in small.values()]
+    return [leaf for _, leaf in large], stacks
 
 
 def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:
