@@ -8,7 +8,7 @@ point, grows after every finite step as far as the largest scaled gradient allow
 (to within `margin_bits` of float16's maximum, in powers of two), and after an
 overflow returns to half the scale of the latest finite step. The train step
 measures the largest scaled magnitude (NaN-aware) and hands it to the state with
-`replace` before `lossscale.adjust` runs the rule.
+`replace` before `lossscale.update` runs the rule.
 
 Its limit: the final gradients' headroom does not bound the float16 cotangents inside
 the backward pass, which can be larger. So this compares it with the TF/Keras rule

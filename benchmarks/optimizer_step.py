@@ -130,7 +130,7 @@ def study_select_instead_of_cond(params):
         params, opt_state = lossscale.select_tree(
             grads_finite, new, (params, opt_state)
         )
-        return params, (opt_state, lossscale.adjust(loss_scale, grads_finite))
+        return params, (opt_state, lossscale.update(loss_scale, grads_finite))
 
     return step, (tx.init(params), lossscale.DynamicLossScale())
 

@@ -2,12 +2,12 @@
 
 Multiply the loss by a scale before differentiating (`scale_loss`), divide the
 gradients by it afterwards (`unscale_grads`), and skip the steps whose gradients
-overflow while the scale adapts (`adjust`). `wrap` does all of it around any optax
+overflow while the scale adapts (`update`). `wrap` does all of it around any optax
 transformation, and `apply_gradients` does the whole optimizer step in one call.
 Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
-from lossscale._src.adjust import adjust
+from lossscale._src.update import update
 from lossscale._src.apply import apply_gradients
 from lossscale._src.base import LossScale
 from lossscale._src.checkpoints import check_config
@@ -39,7 +39,6 @@ __all__ = (
     "OverflowReport",
     "StaticLossScale",
     "WrapState",
-    "adjust",
     "all_finite",
     "apply_gradients",
     "check_config",
@@ -53,6 +52,7 @@ __all__ = (
     "metrics",
     "scale_loss",
     "unscale_grads",
+    "update",
     "value_and_grad",
     "wrap",
 )

@@ -180,7 +180,7 @@ def test_tf_contrib_manager_with_apply_gradients_and_train_states():
 
 
 class DoublingMachine(RuleBasedStateMachine):
-    """Random steps through `lossscale.adjust` under jit, against the model."""
+    """Random steps through `lossscale.update` under jit, against the model."""
 
     @initialize(initial=st.sampled_from([1.0, 4.0, 64.0]), period=st.integers(1, 3))
     def start(self, initial, period):
@@ -206,7 +206,7 @@ class DoublingMachine(RuleBasedStateMachine):
         assert bool(state.stuck) == ref.stuck
 
 
-JITTED_UPDATE = jax.jit(lossscale.adjust)
+JITTED_UPDATE = jax.jit(lossscale.update)
 TestDoublingMachine = DoublingMachine.TestCase
 
 
@@ -216,7 +216,7 @@ def test_a_custom_kind_compiles_once_and_keeps_its_layout():
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(state, finite):
-        return lossscale.adjust(state, finite)
+        return lossscale.update(state, finite)
 
     state = DoublingLossScale()
     for finite in [True, False, True, True, False, True]:
@@ -232,7 +232,7 @@ def test_a_custom_kind_compiles_once_and_keeps_its_layout():
     "state", [AddOneLossScale(3.0), DoublingLossScale(8.0, period=3)]
 )
 def test_custom_kinds_round_trip_config_pickle_and_copies(state):
-    state = lossscale.adjust(state, jnp.asarray(False))
+    state = lossscale.update(state, jnp.asarray(False))
     saved = json.loads(json.dumps(state.get_config()))
     rebuilt = lossscale.LossScale.from_config(saved)
     assert type(rebuilt) is type(state) and rebuilt.get_config() == saved
@@ -274,14 +274,14 @@ def test_metrics_and_lookup_read_a_custom_kind():
 
 def test_stuck_uses_the_kinds_min_scale():
     state = DoublingLossScale(2.0, floor=1.0)
-    state = lossscale.adjust(state, jnp.asarray(False))  # 2 -> 1: not stuck yet
+    state = lossscale.update(state, jnp.asarray(False))  # 2 -> 1: not stuck yet
     assert not bool(state.stuck) and float(state.scale) == 1.0
-    state = lossscale.adjust(state, jnp.asarray(False))  # at the floor: stuck
+    state = lossscale.update(state, jnp.asarray(False))  # at the floor: stuck
     assert bool(state.stuck)
     # A kind that does not say how low it goes is stuck once its scale is 0.
-    state = lossscale.adjust(AddOneLossScale(1.0), jnp.asarray(False))
+    state = lossscale.update(AddOneLossScale(1.0), jnp.asarray(False))
     assert not bool(state.stuck) and float(state.scale) == 0.0
-    assert bool(lossscale.adjust(state, jnp.asarray(False)).stuck)
+    assert bool(lossscale.update(state, jnp.asarray(False)).stuck)
 
 
 def test_orbax_resumes_a_custom_kind_bit_identically(tmp_path):
@@ -340,7 +340,7 @@ def test_shard_map_with_axis_name_agrees_for_a_custom_kind(mesh):
 def test_states_compare_by_value(state):
     assert jax.tree.map(lambda x: x, state) == state
     assert pickle.loads(pickle.dumps(state)) == state
-    stepped = lossscale.adjust(state, jnp.asarray(False))
+    stepped = lossscale.update(state, jnp.asarray(False))
     assert stepped != state  # the counters moved
     assert state != AddOneLossScale()
     assert (state == 1.0) is False
@@ -382,12 +382,12 @@ def test_a_rule_must_return_the_same_kind_and_settings():
             return lossscale.StaticLossScale(2.0)
 
     with pytest.raises(TypeError, match="`Wrong.rule` must return a `Wrong`"):
-        lossscale.adjust(Wrong(), jnp.asarray(True))
+        lossscale.update(Wrong(), jnp.asarray(True))
 
 
 def test_a_rule_must_keep_each_fields_shape():
     # Through `replace`, refused where it is made; through the constructor (which
-    # takes a leading batch shape), refused by `adjust`.
+    # takes a leading batch shape), refused by `update`.
     class Widening(lossscale.LossScale):
         scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
         run: jax.Array = lossscale.field(dtype=jnp.int32, default=0)
@@ -400,9 +400,9 @@ def test_a_rule_must_keep_each_fields_shape():
             return Rebuilding(scale=self.scale, run=jnp.zeros(3, jnp.int32))
 
     with pytest.raises(ValueError, match=r"field `scale` has shape \(\), got.*\(3,\)"):
-        lossscale.adjust(Widening(), jnp.asarray(True))
+        lossscale.update(Widening(), jnp.asarray(True))
     with pytest.raises(TypeError, match=r"changed field `run` from int32\[\] to"):
-        lossscale.adjust(Rebuilding(), jnp.asarray(True))
+        lossscale.update(Rebuilding(), jnp.asarray(True))
 
 
 def test_a_custom_init_is_refused_at_class_creation():
@@ -595,7 +595,7 @@ def test_a_nan_scale_is_stuck_and_a_zero_scale_keeps_nan_out():
         def rule(self, grads_finite):
             return self  # never moves: the test sets the scale
 
-    state = lossscale.adjust(Broken(scale=jnp.nan), jnp.asarray(False))
+    state = lossscale.update(Broken(scale=jnp.nan), jnp.asarray(False))
     assert bool(state.stuck)
     tx = lossscale.wrap(optax.sgd(0.1), Broken(scale=0.0))
     params = jnp.ones(3)

@@ -127,12 +127,12 @@ def test_bad_values_are_refused(value, error, match):
 
 
 def test_update_takes_loss_finite_and_checks_it():
-    state = lossscale.adjust(
+    state = lossscale.update(
         lossscale.DynamicLossScale(4.0), jnp.array(False), jnp.array(False)
     )
     assert float(state.scale) == 4.0 and int(state.forward_overflows) == 1
     with pytest.raises(TypeError, match="loss_finite"):
-        lossscale.adjust(state, jnp.array(True), jnp.float32(1.0))
+        lossscale.update(state, jnp.array(True), jnp.float32(1.0))
 
 
 # -- optax features around the wrap ---------------------------------------------

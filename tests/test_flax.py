@@ -426,7 +426,7 @@ def test_the_migration_pages_settings_reproduce_flax_dynamic_scale(
         assert float(ours.scale) == float(flax_scale.scale)
 
 
-ADJUST = jax.jit(lossscale.adjust)
+ADJUST = jax.jit(lossscale.update)
 
 
 class Stepping(lossscale.LossScale, kind="tests.flax_stepping"):

@@ -82,7 +82,7 @@ def test_compiles_once_across_scale_changes():
     state = lossscale.DynamicLossScale()
     for finite in [True, False, False, True]:
         grad_fn(state, W)
-        state = lossscale.adjust(state, jnp.array(finite))
+        state = lossscale.update(state, jnp.array(finite))
     assert grad_fn._cache_size() == 1
 
 

@@ -1,4 +1,4 @@
-"""The built-in kinds and `adjust` (`_src/kinds.py`, `_src/adjust.py`): the dynamic
+"""The built-in kinds and `update` (`_src/kinds.py`, `_src/update.py`): the dynamic
 rule against a pure-Python model, settings as static data, bad settings."""
 
 import copy
@@ -23,7 +23,7 @@ import lossscale
 
 pytestmark = pytest.mark.usefixtures("strict_promotion")
 
-jitted_update = jax.jit(lossscale.adjust)
+jitted_update = jax.jit(lossscale.update)
 
 SETTINGS = st.fixed_dictionaries(
     {
@@ -92,7 +92,7 @@ TestDynamicRuleMachine = DynamicRuleMachine.TestCase
 @given(settings=SETTINGS, flags=st.lists(st.booleans(), min_size=1, max_size=120))
 def test_dynamic_rule_matches_reference_under_scan(settings, flags):
     def body(state, finite):
-        state = lossscale.adjust(state, finite)
+        state = lossscale.update(state, finite)
         return state, (state.scale, state.counter)
 
     _, (scales, counters) = jax.lax.scan(
@@ -117,7 +117,7 @@ def test_scale_grows_on_the_growth_interval_th_finite_step():
     def run(steps):
         flags = jnp.ones([steps], jnp.bool_)
         state, _ = jax.lax.scan(
-            lambda s, f: (lossscale.adjust(s, f), None),
+            lambda s, f: (lossscale.update(s, f), None),
             lossscale.DynamicLossScale(),
             flags,
         )
@@ -133,7 +133,7 @@ def test_hysteresis_backs_off_only_after_that_many_overflows_since_growth():
     state = lossscale.DynamicLossScale(scale=64.0, hysteresis=3)
     scales = []
     for finite in [False, True, False, False, False, True]:
-        state = lossscale.adjust(state, jnp.asarray(finite))
+        state = lossscale.update(state, jnp.asarray(finite))
         scales.append(float(state.scale))
     # Overflows 1 and 2 are tolerated (a finite step between does not reset the
     # count); the 3rd backs off and so does every later one until a growth.
@@ -150,10 +150,10 @@ def test_scale_never_leaves_bounds_even_with_extreme_factors():
         max_scale=2.0**120,
     )
     for _ in range(20):
-        state = lossscale.adjust(state, jnp.asarray(True))
+        state = lossscale.update(state, jnp.asarray(True))
     assert float(state.scale) == 2.0**120
     for _ in range(20):
-        state = lossscale.adjust(state, jnp.asarray(False))
+        state = lossscale.update(state, jnp.asarray(False))
     assert float(state.scale) == 2.0**-100
 
 
@@ -168,7 +168,7 @@ def test_scale_never_leaves_bounds_even_with_extreme_factors():
 def test_skip_counters_for_every_kind(make):
     state = make()
     for finite in [False, False, True, False]:
-        state = lossscale.adjust(state, jnp.asarray(finite))
+        state = lossscale.update(state, jnp.asarray(finite))
     assert int(state.skipped_steps) == 3
     assert int(state.consecutive_skips) == 1
 
@@ -176,7 +176,7 @@ def test_skip_counters_for_every_kind(make):
 def test_skip_counters_saturate_instead_of_wrapping():
     big = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
     state = lossscale.NoOpLossScale().replace(skipped_steps=big, consecutive_skips=big)
-    state = lossscale.adjust(state, jnp.asarray(False))
+    state = lossscale.update(state, jnp.asarray(False))
     assert int(state.skipped_steps) == np.iinfo(np.int32).max
     assert int(state.consecutive_skips) == np.iinfo(np.int32).max
 
@@ -184,8 +184,8 @@ def test_skip_counters_saturate_instead_of_wrapping():
 def test_static_and_noop_scales_never_change():
     static, noop = lossscale.StaticLossScale(512), lossscale.NoOpLossScale()
     for finite in [False, True, False]:
-        static = lossscale.adjust(static, jnp.asarray(finite))
-        noop = lossscale.adjust(noop, jnp.asarray(finite))
+        static = lossscale.update(static, jnp.asarray(finite))
+        noop = lossscale.update(noop, jnp.asarray(finite))
     assert float(static.scale) == 512.0
     assert float(noop.scale) == 1.0
 
@@ -285,7 +285,7 @@ def test_jitted_update_compiles_once_and_keeps_structure(state):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def step(state, finite):
-        return lossscale.adjust(state, finite)
+        return lossscale.update(state, finite)
 
     for finite in [True, False, True, True, False]:
         new_state = step(state, jnp.asarray(finite))
@@ -416,16 +416,16 @@ def test_traced_setting_gets_a_clear_error():
 )
 def test_update_rejects_bad_predicates(finite, error, message):
     with pytest.raises(error, match=message):
-        lossscale.adjust(lossscale.DynamicLossScale(), finite)
+        lossscale.update(lossscale.DynamicLossScale(), finite)
 
 
 def test_update_rejects_non_states():
     with pytest.raises(TypeError, match="get_loss_scale"):
-        lossscale.adjust({"scale": jnp.float32(1)}, jnp.asarray(True))
+        lossscale.update({"scale": jnp.float32(1)}, jnp.asarray(True))
 
 
 def test_update_accepts_python_bools():
-    state = lossscale.adjust(lossscale.DynamicLossScale(scale=4.0), False)
+    state = lossscale.update(lossscale.DynamicLossScale(scale=4.0), False)
     assert float(state.scale) == 2.0
 
 

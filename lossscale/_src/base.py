@@ -38,7 +38,7 @@ class LossScale:
     * optionally `__post_init__` to check or derive settings (set them with
       `object.__setattr__`, as in any frozen dataclass).
 
-    Every state has the counters the library keeps through `lossscale.adjust`:
+    Every state has the counters the library keeps through `lossscale.update`:
     `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32),
     `stuck` (bool) and `overflow_leaf` (int32, written by the guarded steps);
     see the design note (`docs/design.md`, "States").
@@ -55,7 +55,7 @@ class LossScale:
       ...         return self.replace(scale=self.scale + jnp.where(grads_finite, 1, -1))
       >>> state = AddOne()
       >>> for finite in [False, False, True]:
-      ...     state = lossscale.adjust(state, jnp.array(finite))
+      ...     state = lossscale.update(state, jnp.array(finite))
       >>> print(state.scale, state.skipped_steps)
       7.0 2
       >>> paths = jax.tree_util.tree_leaves_with_path(state)
@@ -104,7 +104,7 @@ class LossScale:
     def rule(self, grads_finite: jax.Array) -> LossScale:
         """The kind's rule: this state after a step whose loss was finite.
 
-        Called by `lossscale.adjust`, which also counts the skipped steps; call
+        Called by `lossscale.update`, which also counts the skipped steps; call
         that, not this. It runs under `jax.jit` and must return a state of the
         same kind, settings, dtypes and shapes, e.g. `self.replace(...)`.
 

@@ -25,7 +25,7 @@ def check_class(cls: type, base: type) -> None:
         if name in own:
             raise TypeError(
                 f"`{cls.__name__}` declares `{name}`, a counter every state has and"
-                " `lossscale.adjust` keeps; choose another name."
+                " `lossscale.update` keeps; choose another name."
             )
     for f in dataclasses.fields(cls):
         if fields.METADATA_KEY not in f.metadata:

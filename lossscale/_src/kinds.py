@@ -120,11 +120,11 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     Examples:
       >>> import jax.numpy as jnp, lossscale
       >>> loss_scale = lossscale.DynamicLossScale(scale=8.0, growth_interval=2)
-      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(False))
+      >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale)  # backed off
       4.0
-      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(True))
-      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(True))
+      >>> loss_scale = lossscale.update(loss_scale, jnp.array(True))
+      >>> loss_scale = lossscale.update(loss_scale, jnp.array(True))
       >>> print(loss_scale.scale)  # grew after 2 finite steps
       8.0
     """

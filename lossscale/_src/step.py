@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from lossscale._src import checks
 from lossscale._src import numerics
-from lossscale._src.adjust import adjust
+from lossscale._src.update import update
 from lossscale._src.base import LossScale
 
 
@@ -102,7 +102,7 @@ def guarded_step(
     like_applied = jnp.zeros_like(applied, jnp.int32)
     operands = (grads, carry)
     (output, carry), leaf = jax.lax.cond(applied, applied_branch, skip_branch, operands)
-    loss_scale = adjust(loss_scale, grads_finite, loss_finite)
+    loss_scale = update(loss_scale, grads_finite, loss_finite)
     overflow_leaf = jnp.where(applied, loss_scale.overflow_leaf, leaf)
     return output, carry, loss_scale.replace(overflow_leaf=overflow_leaf), applied
 

@@ -58,7 +58,7 @@ def wrap(
     gradients are finite; under one `jax.lax.cond` it either runs `inner.update` on
     them (divided by the scale, into the parameters' dtype) or skips: negative-zero
     updates, which leave every parameter bit as it is, and the inner state
-    untouched. Then `lossscale.adjust` moves the loss-scale state. Every kind skips
+    untouched. Then `lossscale.update` moves the loss-scale state. Every kind skips
     non-finite steps; `update(..., value=loss)` tells forward from backward
     overflows. It composes with `optax.chain`, `optax.MultiSteps` and
     `optax.inject_hyperparams` (`docs/guides/wrap.md`; the why: `docs/design.md`).

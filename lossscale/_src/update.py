@@ -1,4 +1,4 @@
-"""`adjust`: the next loss-scale state: the kind's rule and the library's counters."""
+"""`update`: the next loss-scale state: the kind's rule and the library's counters."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from lossscale._src import checks
 from lossscale._src.base import LossScale
 
 
-def adjust(
+def update(
     loss_scale: LossScale,
     grads_finite: jax.typing.ArrayLike,
     loss_finite: jax.typing.ArrayLike = True,
@@ -45,7 +45,7 @@ def adjust(
       >>> import jax.numpy as jnp
       >>> import lossscale
       >>> loss_scale = lossscale.DynamicLossScale(scale=2.0**15)
-      >>> loss_scale = lossscale.adjust(loss_scale, jnp.array(False))
+      >>> loss_scale = lossscale.update(loss_scale, jnp.array(False))
       >>> print(loss_scale.scale, loss_scale.skipped_steps)
       16384.0 1
     """
