@@ -158,7 +158,7 @@ def test_metadata_take_no_part_in_the_check():
 
 
 @pytest.mark.parametrize("clip_norm", [None, 1e-3])
-def test_apply_gradients_and_wrap_write_the_metadata_too(clip_norm):
+def test_apply_gradients_and_wrap_write_the_metadata_too(clip_norm, backend_form):
     params = variables()
     trainable = {"params": params["params"]}
     x, y = batch(1)
@@ -265,7 +265,9 @@ def test_unscale_grads_leaves_the_fp8_collection_alone():
         np.testing.assert_array_equal(leaf, 1.0)
 
 
-def test_under_accumulation_metadata_combine_with_max_until_the_optimizer_steps():
+def test_under_accumulation_metadata_combine_with_max_until_the_optimizer_steps(
+    backend_form,
+):
     params = variables()
     tx = lossscale.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), None)
     state = tx.init(params)

@@ -56,7 +56,9 @@ def assert_identical_everywhere(tree):
 
 
 @pytest.mark.parametrize("params_spec", [P(), P("data")], ids=["dp", "fsdp"])
-def test_sharded_jit_skips_globally_when_one_shard_overflows(mesh, params_spec):
+def test_sharded_jit_skips_globally_when_one_shard_overflows(
+    mesh, params_spec, backend_form
+):
     tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale(2.0**10))
 
     def place(tree, spec):
@@ -129,7 +131,9 @@ def test_sharded_wrap_adds_one_small_collective(mesh):
 
 @pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
 @pytest.mark.parametrize("axis_name", ["data", None])
-def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name, path):
+def test_shard_map_with_axis_name_makes_every_device_skip(
+    mesh, axis_name, path, backend_form
+):
     tx = lossscale.wrap(optax.sgd(0.1), 64.0, axis_name=axis_name)
     params = stacked(init_params())
     opt_state = stacked(tx.init(init_params()))
@@ -174,7 +178,7 @@ def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name, path)
             np.testing.assert_array_equal(new, old)
 
 
-def test_pmap_with_axis_name_keeps_identical_dynamic_states():
+def test_pmap_with_axis_name_keeps_identical_dynamic_states(backend_form):
     tx = lossscale.wrap(
         optax.adam(1e-2), lossscale.DynamicLossScale(8.0), axis_name="i"
     )
