@@ -400,6 +400,59 @@ def test_numpy_and_jax_scalars_are_accepted_as_settings():
     assert isinstance(state.growth_interval, int)
 
 
+def python_float_error(value, **settings):
+    """The error `DynamicLossScale` raises for the Python float `value`."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        lossscale.DynamicLossScale(scale=value, **settings)
+    return type(info.value), str(info.value)
+
+
+ARRAY_TYPES = {
+    "jax": lambda v: jnp.asarray(v, jnp.float32),
+    # Converted by XLA: numpy would warn when 1e9 overflows float16.
+    "jax float16": lambda v: jnp.asarray(v, jnp.float32).astype(jnp.float16),
+    "numpy 0-d": lambda v: np.asarray(v, np.float64),
+    "numpy scalar": np.float32,
+}
+
+
+@pytest.mark.parametrize("make", ARRAY_TYPES.values(), ids=ARRAY_TYPES.keys())
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -1.0, float("inf"), 1e9, 0.5])
+def test_a_concrete_array_scale_is_refused_as_the_same_python_float(make, value):
+    # Issue 33: arrays skipped the check, so NaN, 0 or 1e9 made a state.
+    # (float16 rounds 1e9 to inf: refused as positive_float32 refuses inf.)
+    expected = python_float_error(float(np.asarray(make(value), np.float64)))
+    with pytest.raises(expected[0]) as info:
+        lossscale.DynamicLossScale(scale=make(value))
+    assert str(info.value) == expected[1]
+
+
+def test_a_stacked_array_scale_is_checked_element_by_element():
+    counters = {
+        name: jnp.zeros(8, jnp.int32)
+        for name in ("skipped_steps", "consecutive_skips", "forward_overflows")
+    }
+    good = lossscale.DynamicLossScale(scale=jnp.full(8, 2.0**10), **counters)
+    assert good.scale.shape == (8,)
+    for stacked in (jnp.array([4.0, jnp.nan]), np.array([4.0, 0.0])):
+        with pytest.raises(ValueError, match="`scale` must be positive and finite"):
+            lossscale.DynamicLossScale(scale=stacked)
+    with pytest.raises(ValueError, match=r"within \[min_scale, max_scale\]"):
+        lossscale.DynamicLossScale(scale=jnp.array([4.0, 1e9]))
+    with pytest.raises(TypeError, match="`scale` must be a real number.*bool"):
+        lossscale.DynamicLossScale(scale=jnp.array([True, True]))
+
+
+def test_a_traced_scale_is_left_to_the_step():
+    # It cannot be read while tracing; `update` and `metrics` report what it does.
+    @jax.jit
+    def build(scale):
+        return lossscale.DynamicLossScale(scale=scale).scale
+
+    assert np.isnan(build(jnp.float32(jnp.nan)))
+    assert float(build(jnp.float32(8.0))) == 8.0
+
+
 def test_traced_setting_gets_a_clear_error():
     with pytest.raises(TypeError, match="concrete number.*static"):
         jax.jit(lambda s: lossscale.StaticLossScale(s))(jnp.float32(2.0))

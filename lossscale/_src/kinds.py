@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lossscale._src import checks
 from lossscale._src.base import LossScale
@@ -165,13 +166,21 @@ class DynamicLossScale(LossScale, kind="dynamic"):
         scale = self.scale
         if scale is None:
             scale = min(max(2.0**15, low), high)
-        if not isinstance(scale, jax.Array):  # arrays: cast, possibly traced
-            scale = checks.positive_float32("scale", scale, owner)
-            if not low <= scale <= high:
-                raise ValueError(
-                    f"`{owner}`: `scale` ({scale!r}) must be within [min_scale,"
-                    f" max_scale] = [{low!r}, {high!r}]."
+        if _readable_array(scale):  # a state stacked for `pmap` has many
+            values = np.asarray(scale)
+            if not (
+                jnp.issubdtype(values.dtype, jnp.integer)
+                or jnp.issubdtype(values.dtype, jnp.floating)
+            ):
+                raise TypeError(
+                    f"`{owner}`: `scale` must be a real number, got an array of"
+                    f" {values.dtype}."
                 )
+            for value in {float(v) for v in values.ravel()}:
+                _checked_scale(value, low, high, owner)
+        elif not isinstance(scale, jax.Array | jax.ShapeDtypeStruct):
+            scale = _checked_scale(scale, low, high, owner)
+        # A traced scale cannot be read here: `update` reports what it becomes.
         for name, value in {**settings, "scale": scale}.items():
             object.__setattr__(self, name, value)
 
@@ -192,6 +201,28 @@ class DynamicLossScale(LossScale, kind="dynamic"):
             counter=jnp.where(grads_finite & ~grow, counter, 0),
             overflows_since_growth=overflows,
         )
+
+
+def _readable_array(value: Any) -> bool:
+    """Whether `value` is an array whose values can be read on the host."""
+    if isinstance(value, np.ndarray | np.generic):
+        return True
+    return (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.is_fully_addressable
+    )
+
+
+def _checked_scale(value: Any, low: float, high: float, owner: str) -> float:
+    """A first scale as the float32 the rule uses; refused as `positive_float32`."""
+    scale = checks.positive_float32("scale", value, owner)
+    if not low <= scale <= high:
+        raise ValueError(
+            f"`{owner}`: `scale` ({scale!r}) must be within [min_scale,"
+            f" max_scale] = [{low!r}, {high!r}]."
+        )
+    return scale
 
 
 LossScaleLike = LossScale | float | int | str | None
