@@ -70,7 +70,7 @@ def test_check_config_refuses_every_other_kind_or_setting(first, second):
     "saved, match",
     [
         ("dynamic", "must be a dict"),
-        ({"kind": "fixed"}, "must be a dict"),
+        ({"kind": "fixed"}, r"`config\['kind'\]` must be one of \['dynamic'"),
         ({"kind": "static"}, r"\['value'\]"),
         ({"kind": "static", "value": 2.0, "extra": 1}, "extra"),
         ({"kind": "static", "value": -2.0}, "positive"),
@@ -79,6 +79,47 @@ def test_check_config_refuses_every_other_kind_or_setting(first, second):
 def test_from_config_refuses_what_config_cannot_have_written(saved, match):
     with pytest.raises(ValueError, match=match):
         lossscale.LossScale.from_config(saved)
+
+
+DYNAMIC_CONFIG = lossscale.DynamicLossScale().get_config()
+
+
+@pytest.mark.parametrize(
+    "saved, match",
+    [
+        # Issue 33: a bare `unhashable type: 'list'`.
+        ({"kind": ["dynamic"]}, r"`config\['kind'\]` must be a kind's name, a string"),
+        ({"kind": None}, r"`config\['kind'\]` must be a kind's name.*NoneType"),
+        ({"growth_interval": 3}, "must have the key 'kind'"),
+        ('{"kind": "dynamic"}', r"json.loads\(text\)"),
+        (lossscale.DynamicLossScale(), r"Pass `state.get_config\(\)`, not the state"),
+        (lossscale.DynamicLossScale().get_config, r"Call it: `state.get_config\(\)`"),
+        (
+            {**DYNAMIC_CONFIG, "growth_intervall": 3},
+            r"unknown \['growth_intervall' \(did you mean 'growth_interval'\?\)\]",
+        ),
+        (
+            {k: v for k, v in DYNAMIC_CONFIG.items() if k != "hysteresis"},
+            r"missing \['hysteresis'\]",
+        ),
+    ],
+    ids=lambda x: repr(x)[:30],
+)
+def test_a_malformed_config_is_refused_naming_the_key_and_what_is_allowed(saved, match):
+    with pytest.raises(ValueError, match=match):
+        lossscale.LossScale.from_config(saved)
+    with pytest.raises(ValueError, match=match):
+        lossscale.check_config(saved, lossscale.DynamicLossScale())
+    if not (isinstance(saved, dict) and isinstance(saved.get("kind"), str)):
+        # The layout reads only the kind: refused alike.
+        with pytest.raises(ValueError, match=match):
+            lossscale.checkpoint_0_2_layout(saved)
+
+
+def test_check_config_with_its_arguments_swapped_says_so():
+    state = lossscale.DynamicLossScale()
+    with pytest.raises(TypeError, match="swap them"):
+        lossscale.check_config(state, state.get_config())
 
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

@@ -379,6 +379,8 @@ def test_bad_dynamic_settings_raise_naming_the_argument(kwargs, error, message):
         (-2.0, ValueError),
         (float("inf"), ValueError),
         (float("nan"), ValueError),
+        (jnp.float32(jnp.nan), ValueError),
+        (np.array(0.0), ValueError),
         (1e40, ValueError),
         ("8", TypeError),
         (None, TypeError),
@@ -451,6 +453,43 @@ def test_a_traced_scale_is_left_to_the_step():
 
     assert np.isnan(build(jnp.float32(jnp.nan)))
     assert float(build(jnp.float32(8.0))) == 8.0
+
+
+def test_a_misspelt_argument_names_the_field_it_resembles():
+    with pytest.raises(
+        TypeError, match="no field `growth_intervall`.*`growth_interval`"
+    ):
+        lossscale.DynamicLossScale(growth_intervall=10)
+    with pytest.raises(TypeError, match="`scale` is a property `NoOpLossScale`"):
+        lossscale.NoOpLossScale(scale=2.0)
+
+
+def test_too_many_positional_values_say_which_one_a_kind_takes():
+    # Python's own message counts `self`: "takes 1 positional argument but 2...".
+    with pytest.raises(TypeError, match="`NoOpLossScale` takes no argument by pos"):
+        lossscale.NoOpLossScale(1.0)
+    with pytest.raises(TypeError, match="`StaticLossScale` takes `value` by position"):
+        lossscale.StaticLossScale(8.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (
+            lambda: lossscale.wrap(optax.sgd(0.1), lossscale.DynamicLossScale),
+            TypeError,
+            r"the class `DynamicLossScale`; pass a state, an instance",
+        ),
+        (
+            lambda: lossscale.wrap(optax.sgd(0.1), "static"),
+            ValueError,
+            r"a fixed scale is a number",
+        ),
+    ],
+)
+def test_a_spec_that_is_nearly_right_says_what_to_write(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
 
 
 def test_traced_setting_gets_a_clear_error():

@@ -79,6 +79,7 @@ class LossScale:
                 " constructor takes its fields: give them defaults, check or derive"
                 " values in `__post_init__`, or add a classmethod constructor."
             )
+        kind_checks.check_body(cls)
         dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
         kind_checks.check_class(cls, LossScale)
         cls._specs = fields.specs(cls)

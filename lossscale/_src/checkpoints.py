@@ -22,6 +22,7 @@ from lossscale._src import lookup
 from lossscale._src.base import COUNTERS
 from lossscale._src.base import LossScale
 from lossscale._src.registry import build
+from lossscale._src.registry import checked_config
 from lossscale._src.registry import kind_named
 from lossscale._src.registry import known_kinds
 
@@ -44,7 +45,8 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
       ValueError: if the kinds or settings differ (the message lists the
         differences and the migration path), `saved` is not a config, or
         `loss_scale` holds no state (or several).
-      TypeError: if `loss_scale` is a spec (a number, "dynamic" or None).
+      TypeError: if `loss_scale` is a spec (a number, "dynamic" or None), or
+        the arguments are swapped.
 
     Examples:
       >>> import lossscale
@@ -56,6 +58,11 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
       ...     print(str(error).splitlines()[0])
       The checkpoint was written with another loss scale than the code's:
     """
+    if isinstance(saved, LossScale) and isinstance(loss_scale, Mapping):
+        raise TypeError(
+            "`check_config(saved, loss_scale)` got a state as `saved` and a dict as"
+            " `loss_scale`: swap them (the saved config comes first)."
+        )
     # Rebuilt, so that the comparison sees the values the constructor keeps
     # (settings in float32, as the rules compute).
     expected = LossScale.from_config(saved).get_config()
@@ -177,7 +184,7 @@ def _upgraded(config: Any) -> Any:
 
 
 def _kind(config: Any) -> type[LossScale]:
-    kind = kind_named(config.get("kind") if isinstance(config, dict) else None)
+    kind = kind_named(checked_config(config)["kind"])
     if kind is None:
         raise ValueError(
             "`config` must be a loss-scale config saved by 0.2, whose 'kind' is one"

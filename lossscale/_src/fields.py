@@ -49,7 +49,8 @@ def field(
         number, string, bool, None or a tuple of them.
       default: the value when the constructor is not given one: for an array
         field a Python number or bool (cast), or None for one `__post_init__`
-        sets; for a setting its value.
+        sets; for a setting its value (a list becomes a tuple, as a list
+        given to the constructor or read from JSON does).
       kw_only: `False` lets the constructor take it by position (the fields are
         keyword-only by default).
 
@@ -58,8 +59,9 @@ def field(
 
     Raises:
       TypeError: if `dtype` is missing, not numeric or boolean, or not kept by
-        JAX; `shape` is not a tuple of non-negative ints; or a static field
-        gets a `dtype` or `shape`.
+        JAX; `shape` is not a tuple of non-negative ints; a static field
+        gets a `dtype` or `shape`; or a `default` is not a value such a field
+        can hold.
 
     Examples:
       >>> import jax, jax.numpy as jnp, lossscale
@@ -90,6 +92,10 @@ def field(
                 f" (cast to {spec.dtype} and broadcast to {spec.shape}), or None for"
                 f" a value `__post_init__` sets; got {type(default).__name__}."
             )
+    if default is not dataclasses.MISSING and spec.static:
+        # A setting is immutable (part of the tree structure), so a list default
+        # is no shared mutable state: store it as the tuple it becomes anyway.
+        default = checked_setting(default, "field(static=True)", "default")
     return dataclasses.field(
         default=default, kw_only=kw_only, metadata={METADATA_KEY: spec}
     )

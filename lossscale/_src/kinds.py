@@ -244,10 +244,16 @@ def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
             return DynamicLossScale()
         raise ValueError(
             f"`{name}` must be a loss-scale state, a number, 'dynamic' or None; got"
-            f" the string {spec!r} (the only string allowed is 'dynamic')."
+            f" the string {spec!r} (the only string allowed is 'dynamic'; a fixed"
+            " scale is a number, e.g. `1024.0`, or `lossscale.StaticLossScale(s)`)."
         )
     if checks.is_number(spec):
         return StaticLossScale(spec)
+    if isinstance(spec, type) and issubclass(spec, LossScale):
+        raise TypeError(
+            f"`{name}` got the class `{spec.__name__}`; pass a state, an instance:"
+            f" `{name}={spec.__name__}(...)`."
+        )
     raise TypeError(
         f"`{name}` must be a loss-scale state, a number, 'dynamic' or None; got"
         f" {type(spec).__name__}."
