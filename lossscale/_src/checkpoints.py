@@ -41,6 +41,9 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
       loss_scale: the loss scale the code restores into: a state, or a tree
         holding one (an optimizer state, a train state).
 
+    A static scale's config written by 0.2 (`{"kind": "static", "scale": s}`)
+    is read as `{"kind": "static", "value": s}`, with a `DeprecationWarning`.
+
     Raises:
       ValueError: if the kinds or settings differ (the message lists the
         differences and the migration path), `saved` is not a config, or

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lossscale._src.deprecation import MIGRATION
 
 # The key of a field's spec in `dataclasses.field(metadata=...)`.
 METADATA_KEY = "lossscale"
@@ -25,8 +28,8 @@ class Spec(NamedTuple):
         return self.dtype is None
 
 
-def field(
-    *,
+def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
+    *positional: Any,
     dtype: Any = None,
     shape: tuple[int, ...] = (),
     static: bool = False,
@@ -58,10 +61,10 @@ def field(
       A `dataclasses.field`, to assign in the class body.
 
     Raises:
-      TypeError: if `dtype` is missing, not numeric or boolean, or not kept by
-        JAX; `shape` is not a tuple of non-negative ints; a static field
-        gets a `dtype` or `shape`; or a `default` is not a value such a field
-        can hold.
+      TypeError: if an argument is passed by position; `dtype` is missing, not
+        numeric or boolean, or not kept by JAX; `shape` is not a tuple of
+        non-negative ints; a static field gets a `dtype` or `shape`; or a
+        `default` is not a value such a field can hold.
 
     Examples:
       >>> import jax, jax.numpy as jnp, lossscale
@@ -75,6 +78,14 @@ def field(
       >>> print(state.scale, state.scale.dtype, state.get_config())
       8.0 float32 {'kind': 'doctest.halving', 'floor': 1.0}
     """
+    if positional:
+        raise TypeError(
+            "`field` takes keywords only, e.g. `scale: jax.Array ="
+            " lossscale.field(dtype=jnp.float32, default=1.0)` or `floor: float ="
+            " lossscale.field(static=True, default=1.0)`; got"
+            f" {len(positional)} by position (0.2's `lossscale.field(jnp.float32)`"
+            f" is `lossscale.field(dtype=jnp.float32)`, annotated: {MIGRATION})."
+        )
     if static:
         if dtype is not None or shape != ():
             raise TypeError(
@@ -99,6 +110,16 @@ def field(
     return dataclasses.field(
         default=default, kw_only=kw_only, metadata={METADATA_KEY: spec}
     )
+
+
+# Keyword-only as documented; `*positional` is there to explain 0.2's spelling.
+field.__signature__ = inspect.signature(field).replace(
+    parameters=[
+        p
+        for p in inspect.signature(field).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_POSITIONAL
+    ]
+)
 
 
 def _checked_dtype(dtype: Any) -> np.dtype:

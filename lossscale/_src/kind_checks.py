@@ -13,6 +13,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from lossscale._src import deprecation
 from lossscale._src import fields
 
 # Names a kind may not use for a field: the base class's own attributes.
@@ -20,7 +21,12 @@ RESERVED = frozenset({"kind", "rule", "replace", "get_config", "from_config"})
 
 
 def check_body(cls: type) -> None:
-    """Refuses what `dataclasses` would refuse unclearly (before it reads `cls`)."""
+    """Refuses what `dataclasses` would refuse unclearly, and 0.2's class bodies.
+
+    0.2's rule `adjust` becomes `rule` with a `DeprecationWarning` (unambiguous:
+    a kind that defines `adjust` and no `rule` means it as the rule; without the
+    alias a subclass of a built-in kind would silently keep the built-in rule).
+    """
     body = vars(cls)
     annotations = body.get("__annotations__", {})
     for name, value in body.items():
@@ -36,6 +42,20 @@ def check_body(cls: type) -> None:
                 f" annotation; a kind is a dataclass: write `{name}: {kind} ="
                 f" lossscale.field(...)`."
             )
+    for old, new in (("lowest_scale", "min_scale"), ("highest_scale", "max_scale")):
+        if old in body:
+            # No alias: on a `DynamicLossScale` subclass `min_scale` is a setting.
+            raise TypeError(
+                f"`{cls.__name__}` defines `{old}`, lossscale 0.2's name of a bound;"
+                f" 0.3 reads `{new}` (a setting, a property or a class attribute,"
+                f" a static Python float): rename it (see {deprecation.MIGRATION})."
+            )
+    if "adjust" in body and "rule" not in body:
+        deprecation.warn(
+            f"`{cls.__name__}.adjust(self, grads_finite)` is"
+            f" `{cls.__name__}.rule(self, grads_finite)`: rename it"
+        )
+        cls.rule = body["adjust"]
 
 
 def check_class(cls: type, base: type) -> None:

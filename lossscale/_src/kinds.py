@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import checks
+from lossscale._src import deprecation
 from lossscale._src.base import LossScale
 from lossscale._src.fields import field
 
@@ -201,6 +202,17 @@ class DynamicLossScale(LossScale, kind="dynamic"):
             counter=jnp.where(grads_finite & ~grow, counter, 0),
             overflows_since_growth=overflows,
         )
+
+
+# lossscale 0.2's arguments, with a warning (docs/migration/lossscale_0_2.md).
+deprecation.accept_0_2_arguments(
+    DynamicLossScale,
+    {"initial_scale": "scale"},
+    ("scale", "growth_interval", "growth_factor", "backoff_factor")
+    + ("min_scale", "max_scale", "hysteresis"),
+)
+# 0.2 named `value` after the property it sets.
+deprecation.accept_0_2_arguments(StaticLossScale, {"scale": "value"}, ("value",))
 
 
 def _readable_array(value: Any) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from lossscale._src import deprecation
+
 # Kind name -> class.
 _KINDS: dict[str, type] = {}
 # Names of kinds defined in a function without `kind=`: not buildable by name.
@@ -47,7 +49,7 @@ def known_kinds() -> list[str]:
 
 def build(cls: type, config: Any) -> Any:
     """`cls.from_config(config)`: a fresh state of the kind and settings in it."""
-    config = checked_config(config)
+    config = upgraded(checked_config(config))
     name = config["kind"]
     target = kind_named(name)
     if target is None and name in _LOCAL:
@@ -113,4 +115,16 @@ def checked_config(config: Any) -> dict[str, Any]:
             f" {known_kinds()}), got {config['kind']!r}"
             f" ({type(config['kind']).__name__})."
         )
+    return config
+
+
+def upgraded(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with 0.2's key of a static scale, `scale`, read as `value`."""
+    if config["kind"] == "static" and "scale" in config and "value" not in config:
+        deprecation.warn(
+            "A static loss scale's config key 'scale' is 'value' since 0.3: save"
+            " `state.get_config()` anew"
+        )
+        config = {**config, "value": config["scale"]}
+        del config["scale"]
     return config
