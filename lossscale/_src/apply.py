@@ -54,7 +54,9 @@ def apply_gradients(
       TypeError: if an argument has the wrong type, a gradient is not floating
         point, or `tx.update` changes the dtype of a state leaf.
       ValueError: if `grads` and `params` differ in tree, `clip_norm` is out of
-        range, or `opt_state` holds a loss-scale state (`tx` is wrapped already).
+        range, `opt_state` holds a loss-scale state (`tx` is wrapped already),
+        or Flax fp8 variables meet an `optax.MultiSteps` state (use
+        `wrap(optax.MultiSteps(...))`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, lossscale
@@ -87,6 +89,7 @@ def apply_gradients(
             " collections, e.g. `tx.init({k: v for k, v in params.items() if k !="
             f" '{fp8.OVERWRITE}'}})`."
         )
+    fp8.refuse_accumulation(params, opt_state, "`apply_gradients`")
     if value is not None:
         extra_args["value"] = value
     params, opt_state, loss_scale, _ = apply_or_skip(
