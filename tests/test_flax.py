@@ -434,6 +434,16 @@ def test_an_optax_multisteps_object_says_to_pass_its_transformation():
     assert int(state.apply_gradients(grads={"w": jnp.ones(2)}).step) == 1
 
 
+def test_nnx_optimizer_near_misses_say_what_to_write():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="`sgd` is a factory: call it"):
+        lossscale.flax.Optimizer(model, optax.sgd, wrt=nnx.Param)
+    with pytest.raises(TypeError, match="the class `DynamicLossScale`.*an instance"):
+        lossscale.flax.Optimizer(
+            model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=lossscale.DynamicLossScale
+        )
+
+
 def test_a_spec_put_in_place_of_the_state_is_a_clear_error():
     state = batch_norm_state().replace(loss_scale="dynamic")
     grads = jax.tree.map(jnp.zeros_like, state.params)

@@ -76,9 +76,15 @@ def check_transformation(tx: Any, name: str) -> None:
             " instead: `docs/guides/accumulation.md`.)"
         )
     if not isinstance(tx, optax.GradientTransformation):
+        called = (
+            f" `{getattr(tx, '__name__', 'it')}` is a factory: call it, e.g."
+            " `optax.adam(1e-3)`."
+            if callable(tx)
+            else ""
+        )
         raise TypeError(
             f"`{name}` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
-            f" got {type(tx).__name__}."
+            f" got {type(tx).__name__}.{called}"
         )
 
 
