@@ -56,3 +56,10 @@ __all__ = (
     "value_and_grad",
     "wrap",
 )
+
+
+def __getattr__(name: str):
+    # lossscale 0.2's removed names: an alias that warns, or an error naming 0.3's.
+    from lossscale._src import deprecation
+
+    return deprecation.module_attribute(name)

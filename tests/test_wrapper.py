@@ -613,6 +613,15 @@ def test_wrap_rejects_bad_arguments():
         lossscale.wrap(optax.sgd(0.1), object())
 
 
+def test_wrap_near_misses_say_what_to_write():
+    with pytest.raises(TypeError, match="`adam` is a factory: call it"):
+        lossscale.wrap(optax.adam)
+    with pytest.raises(TypeError, match="the class `StaticLossScale`.*an instance"):
+        lossscale.wrap(optax.sgd(0.1), lossscale.StaticLossScale)
+    with pytest.raises(ValueError, match=r"a fixed scale is a number, e.g. `1024.0`"):
+        lossscale.wrap(optax.sgd(0.1), "static")
+
+
 def test_nested_wraps_are_refused_at_init():
     tx = lossscale.wrap(lossscale.wrap(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="already holds a loss-scale state"):

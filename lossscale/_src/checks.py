@@ -68,10 +68,23 @@ def check_clip_norm(clip_norm: Any) -> float | None:
 
 def check_transformation(tx: Any, name: str) -> None:
     """Raises `TypeError` unless `tx` is an optax transformation."""
+    if isinstance(tx, optax.MultiSteps):
+        raise TypeError(
+            f"`{name}` is an `optax.MultiSteps`, which is not a transformation"
+            f" itself: pass `{name}.gradient_transformation()`. (With Flax fp8"
+            " variables, accumulate with `lossscale.wrap(optax.MultiSteps(...))`"
+            " instead: `docs/guides/accumulation.md`.)"
+        )
     if not isinstance(tx, optax.GradientTransformation):
+        called = (
+            f" `{getattr(tx, '__name__', 'it')}` is a factory: call it, e.g."
+            " `optax.adam(1e-3)`."
+            if callable(tx)
+            else ""
+        )
         raise TypeError(
             f"`{name}` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
-            f" got {type(tx).__name__}."
+            f" got {type(tx).__name__}.{called}"
         )
 
 
