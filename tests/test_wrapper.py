@@ -145,8 +145,21 @@ REFERENCE_UPDATE = jax.jit(inner_optimizer().update)
         max_size=16,
     )
 )
-def test_wrapped_run_equals_inner_run_on_the_applied_steps_only(pattern, backend_form):
+def test_wrapped_run_equals_inner_run_on_the_applied_steps_only(pattern):
     """Against the plain inner optimizer fed only the applied steps, and the rule."""
+    run_against_the_inner_optimizer(pattern, EXACT_STEP)
+
+
+def test_each_backend_form_runs_as_the_inner_optimizer(backend_form):
+    # A step traced afresh under the form (EXACT_STEP is compiled once, for the CPU).
+    step = make_step(
+        lossscale.wrap(inner_optimizer(), lossscale.DynamicLossScale(**EXACT_SETTINGS))
+    )
+    pattern = ["finite", "inf", "finite", "nan", "big", "finite", "finite", "finite"]
+    run_against_the_inner_optimizer(pattern, step)
+
+
+def run_against_the_inner_optimizer(pattern, step):
     params = ref_params = params_tree()
     opt_state, ref_state = EXACT_TX.init(params), inner_optimizer().init(params)
     rule = ReferenceDynamicRule(**EXACT_SETTINGS)
@@ -157,7 +170,7 @@ def test_wrapped_run_equals_inner_run_on_the_applied_steps_only(pattern, backend
             scaled["b"] = scaled["b"].at[0].set(jnp.inf)
         elif kind != "finite":
             scaled["w"] = scaled["w"].at[0, 0].set(np.inf if kind == "inf" else np.nan)
-        params, opt_state, _ = EXACT_STEP(params, opt_state, scaled)
+        params, opt_state, _ = step(params, opt_state, scaled)
         if rule.step(kind == "finite"):
             # The reference unscales as TF does: times float32(1 / scale), in numpy.
             inverse = np.float32(1.0) / np.float32(scale)
