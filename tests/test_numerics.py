@@ -119,7 +119,7 @@ def test_grouped_clip_norm_agrees_with_optax(grads):
 
 # The forms lowered for XLA:GPU (every leaf stacked by shape) and for the TPU (a
 # reduction per leaf, scalars combined) run here on the CPU, against numpy.
-FORMS = {"cpu": numerics._grouped, "gpu": numerics._stacked, "tpu": numerics._each}
+FORMS = {"cpu": numerics._grouped, "gpu": numerics._partials, "tpu": numerics._each}
 
 
 def numpy_first_nonfinite(leaves):
@@ -151,6 +151,33 @@ def test_every_backend_form_finds_what_numpy_finds(tree, form, square, complex_l
         count = sum(x.size for x in wide)
         rtol = count * float(np.finfo(np.float32).eps)
         np.testing.assert_allclose(float(total), expected, rtol=rtol)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_backend_form_on_large_leaves_of_every_rank(form):
+    # Large leaves go through each form's other paths (XLA:GPU's row probes of a
+    # 1-D leaf cut into rows, of trailing axes, of a leaf with tiny rows).
+    rng = np.random.default_rng(0)
+    shapes = [(200_000,), (7919 * 2,), (64, 300), (3, 4, 500), (8192, 1), (5000,)]
+    leaves = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    leaves.insert(3, np.ones((100,), np.float16))
+    positions = tuple(range(len(leaves)))
+    run = jax.jit(lambda *a, square: FORMS[form](list(a), positions, square),
+                  static_argnames="square")  # fmt: skip
+    expected = sum(float(np.sum(np.square(x, dtype=np.float64))) for x in leaves)
+    total, first = run(*leaves, square=True)
+    count = sum(x.size for x in leaves)
+    np.testing.assert_allclose(
+        float(total), expected, rtol=count * float(np.finfo(np.float32).eps)
+    )
+    assert int(first) == -1
+    for bad, value in [(0, np.inf), (2, np.nan), (5, -np.inf), (6, np.nan)]:
+        broken = [x.copy() for x in leaves]
+        broken[bad].reshape(-1)[broken[bad].size // 2] = value
+        for square in (False, True):
+            total, first = run(*broken, square=square)
+            assert (int(first), bool(np.isfinite(total))) == (bad, False), (
+                form, square, bad, int(first))  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [np.complex64])

@@ -10,6 +10,7 @@ compiled programs behind it, is in `docs/design.md` ("Checking finiteness",
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -147,7 +148,7 @@ def _reduce(leaves: list[Any], *, square: bool) -> tuple[jax.Array, jax.Array]:
     return per_backend(
         *arrays,
         cpu=formulation(_grouped),
-        gpu=formulation(_stacked),
+        gpu=formulation(_partials),
         tpu=formulation(_each),
     )
 
@@ -171,8 +172,8 @@ GROUP_BELOW = 4096
 GPU_STACK = 64
 
 
-def _grouped(arrays, positions, square):
-    """XLA:CPU: large leaves alone, small ones stacked; probes stacked by dtype."""
+def _grouped(arrays, positions, square, stack_limit=None):
+    """Large leaves alone, small ones stacked (at most `stack_limit` to a stack)."""
     large, small = {}, {}
     for position, leaf in zip(positions, arrays, strict=True):
         key = (leaf.shape, leaf.dtype)
@@ -198,27 +199,81 @@ def _grouped(arrays, positions, square):
             probes.append(_as_float32(jnp.stack([jnp.sum(v - v) for v in values])))
         order.extend(position for position, _ in group)
     for group in small.values():
-        probes.append(_stack_probes([leaf for _, leaf in group], square))
-        order.extend(position for position, _ in group)
-    return _combine(jnp.concatenate(probes), order)
-
-
-def _stacked(arrays, positions, square):
-    """XLA:GPU: every leaf stacked by shape and dtype, one reduction per stack.
-
-    XLA fuses the stack into the reduction, which then reads each leaf once: a
-    50-leaf tree is checked in 3 kernels instead of 2 per leaf.
-    """
-    groups = {}
-    for position, leaf in zip(positions, arrays, strict=True):
-        groups.setdefault((leaf.shape, leaf.dtype), []).append((position, leaf))
-    order, probes = [], []
-    for group in groups.values():
-        for start in range(0, len(group), GPU_STACK):
-            chunk = group[start : start + GPU_STACK]
+        step = stack_limit or len(group)
+        for start in range(0, len(group), step):
+            chunk = group[start : start + step]
             probes.append(_stack_probes([leaf for _, leaf in chunk], square))
             order.extend(position for position, _ in chunk)
     return _combine(jnp.concatenate(probes), order)
+
+
+def _partials(arrays, positions, square):
+    """XLA:GPU: each large leaf reduced to a short vector, then one final pass.
+
+    A large leaf's first stage reduces its rows (over its trailing axes), which
+    XLA fuses into the kernel that produces the gradient inside a train step;
+    alone, one kernel per leaf, where a full reduction takes two. Small leaves
+    are stacked by shape. The short vectors and the stacks' probes are then
+    checked in one kernel per up to `GPU_STACK` of them (design.md).
+    """
+    small, parts = {}, []
+    for position, leaf in zip(positions, arrays, strict=True):
+        if leaf.size < GROUP_BELOW:
+            small.setdefault((leaf.shape, leaf.dtype), []).append((position, leaf))
+        else:
+            parts.append(([position], _row_probes(leaf, square)))
+    for group in small.values():
+        for start in range(0, len(group), GPU_STACK):
+            chunk = group[start : start + GPU_STACK]
+            values = [leaf for _, leaf in chunk]
+            parts.append(([p for p, _ in chunk], _stack_probes(values, square)))
+    totals, firsts = [], []
+    for start in range(0, len(parts), GPU_STACK):
+        chunk = parts[start : start + GPU_STACK]
+        probes = jnp.concatenate([vector for _, vector in chunk])
+        # Which leaf each element of `probes` belongs to, and where it ends.
+        owners, ends = [], []
+        for owned, vector in chunk:
+            per_leaf = vector.size // len(owned)
+            for position in owned:
+                owners.append(position)
+                ends.append((ends[-1] if ends else 0) + per_leaf)
+        finite = jnp.isfinite(probes)
+        bad = jnp.argmin(finite).astype(jnp.int32)  # the first False
+        leaf = jnp.sum(bad >= jnp.asarray(np.asarray(ends, np.int32)))
+        owner = jnp.asarray(np.asarray(owners, np.int32))[leaf]
+        totals.append(jnp.sum(jnp.where(finite, probes, jnp.float32(jnp.inf))))
+        firsts.append(jnp.where(jnp.all(finite), jnp.int32(-1), owner))
+    total = totals[0] if len(totals) == 1 else jnp.sum(jnp.stack(totals))
+    if len(firsts) == 1:
+        return total, firsts[0]
+    firsts = jnp.stack(firsts)
+    none = np.iinfo(np.int32).max
+    first = jnp.min(jnp.where(firsts < 0, jnp.int32(none), firsts))
+    return total, jnp.where(first == none, jnp.int32(-1), first)
+
+
+def _row_probes(leaf: jax.Array, square: bool) -> jax.Array:
+    """A large leaf reduced over its trailing axes: a float32 vector of row probes.
+
+    Only existing axes are reduced (a leaf sharded along any of them stays so);
+    a 1-D leaf is cut into rows of a divisor of its length.
+    """
+    if leaf.ndim == 1:
+        columns = max(
+            (c for c in range(1024, 16385) if leaf.size % c == 0), default=leaf.size
+        )
+        leaf = leaf.reshape(leaf.size // columns, columns)
+    # The fewest trailing axes holding at least 1024 elements each row.
+    split = leaf.ndim - 1
+    while split > 0 and math.prod(leaf.shape[split:]) < 1024:
+        split -= 1
+    axes = tuple(range(split, leaf.ndim))
+    if square:
+        rows = _sum_of_squares(leaf, axes)
+    else:
+        rows = _as_float32(jnp.sum(leaf - leaf, axis=axes))
+    return rows.reshape(-1)
 
 
 def _each(arrays, positions, square):
