@@ -142,20 +142,15 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
 
       * `loss_scale`: float32, the current scale;
       * `skipped_steps`: int32, non-finite (skipped) steps in total;
-      * `forward_overflows`: int32, skipped steps whose loss was not finite
-        (reported with `value=` to `wrap`'s update);
-      * `backward_overflows`: int32, skipped steps with a finite loss but
-        non-finite gradients (the ones a lower scale can fix);
+      * `forward_overflows`: int32, skipped steps whose loss (`value=`) was not finite;
+      * `backward_overflows`: int32, skipped steps with a finite loss;
       * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
       * `last_finite`: bool, whether the latest step was applied;
-      * `stuck`: bool, the latest step overflowed in the backward pass with the
-        scale at its lowest: backing off cannot help; a loop can stop on it;
-      * `overflow_leaf`: int32, where the latest skipped step overflowed: the
-        index, in `jax.tree.leaves(params)` order, of the first gradient leaf
-        that was not finite; -1 before any skipped step, or if no gradient was
-        (a forward overflow with finite gradients). Recorded by `wrap`,
-        `apply_gradients` and the Flax integrations; `lossscale.leaf_path`
-        names it.
+      * `stuck`: bool, the latest step overflowed backward at the lowest scale:
+        backing off cannot help; a loop can stop on it;
+      * `overflow_leaf`: int32, the index in `jax.tree.leaves(grads)` (no
+        `None` leaves) of the first non-finite gradient of the latest skipped
+        step; -1 if none was. `lossscale.leaf_path` names it.
 
     Raises:
       TypeError: if given a spec (a number, "dynamic" or None) instead of a state.
