@@ -7,7 +7,6 @@ transformation, and `apply_gradients` does the whole optimizer step in one call.
 Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
-from lossscale._src.update import update
 from lossscale._src.apply import apply_gradients
 from lossscale._src.base import LossScale
 from lossscale._src.checkpoints import check_config
@@ -27,6 +26,7 @@ from lossscale._src.locate import OverflowReport
 from lossscale._src.locate import leaf_path
 from lossscale._src.locate import locate_overflow
 from lossscale._src.lookup import get_loss_scale
+from lossscale._src.update import update
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
 
