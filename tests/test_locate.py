@@ -207,6 +207,17 @@ def test_bad_settings_are_refused(kwargs, error, match):
         lossscale.locate_overflow(two_leaf_loss, PARAMS, X_FINE, Y_FINE, **kwargs)
 
 
+def test_has_aux_that_does_not_match_the_loss_function_says_how_to_set_it():
+    with pytest.raises(TypeError, match="pass `has_aux=False`"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=SCALE, has_aux=True
+        )
+    with pytest.raises(TypeError, match="pass `has_aux=True`"):
+        lossscale.locate_overflow(
+            lambda *a: (two_leaf_loss(*a), {}), PARAMS, X_FINE, Y_FINE, loss_scale=SCALE
+        )
+
+
 def test_bad_functions_and_params_are_refused():
     with pytest.raises(TypeError, match="`loss_fn` must be callable"):
         lossscale.locate_overflow("loss", PARAMS, loss_scale=SCALE)
@@ -383,3 +394,32 @@ def test_an_overflow_from_finite_inputs_names_no_input():
         two_leaf_loss, PARAMS, X_FINE.at[1].set(20.0), Y_FINE, loss_scale=SCALE
     )
     assert report.nonfinite_input is None and report.op == "exp"
+
+
+def test_inside_jit_it_says_to_call_it_on_the_host():
+    def step(x):
+        return lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
+        ).loss
+
+    with pytest.raises(TypeError, match="runs on the host, outside the train step"):
+        jax.jit(step)(X_FINE)
+
+
+def test_arguments_that_do_not_fit_loss_fn_are_named():
+    with pytest.raises(TypeError, match=r"`loss_fn\(params, x, y\)` cannot take"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, (X_FINE, Y_FINE), loss_scale=SCALE
+        )
+    with pytest.raises(TypeError, match="keywords \\['z'\\]"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, z=1, loss_scale=SCALE
+        )
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", None])
+def test_a_string_or_none_as_the_scale_says_what_it_takes(loss_scale):
+    with pytest.raises(TypeError, match="the scale to evaluate at"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=loss_scale
+        )

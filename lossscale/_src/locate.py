@@ -14,6 +14,7 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import functional
+from lossscale._src import grad
 from lossscale._src import interpret
 from lossscale._src import kinds
 from lossscale._src import lookup
@@ -218,13 +219,12 @@ def locate_overflow(
 
     Runs `jax.value_and_grad` of `scale_loss(loss_fn(params, *args, **kwargs),
     loss_scale)` one primitive at a time, on the host, differentiating the
-    floating-point array leaves of `params` (others, such as an Equinox model's
-    functions, are held fixed). Call it on the failing batch, outside the train
-    step: it syncs after every op (seconds for a small model, minutes for a
-    large one). `loss_fn` may be jitted: the walk goes into `jax.jit`,
-    `jax.checkpoint` and custom derivative rules (`lax.cond`, `scan` are named
-    whole). An inf or NaN already in the input (the batch, or `params`) is
-    named as such, in `nonfinite_input`, not blamed on an op.
+    floating-point array leaves of `params` (an Equinox model's functions are
+    held fixed). Call it on the failing batch, outside the train step: it syncs
+    after every op (seconds for a small model, minutes for a large one). The
+    walk goes into `jax.jit`, `jax.checkpoint` and custom derivative rules. An
+    inf or NaN already in the input (the batch, or `params`) is named as such,
+    in `nonfinite_input`, not blamed on an op.
 
     Args:
       loss_fn: the loss function, as the step calls it: it returns a
@@ -240,8 +240,9 @@ def locate_overflow(
       An `OverflowReport`; `str(report)` says what to do.
 
     Raises:
-      TypeError: if `loss_fn` is not callable, `has_aux` is not a bool,
-        `loss_scale` is none of the above, or the loss is not a float scalar.
+      TypeError: if `loss_fn` is not callable or cannot take the arguments,
+        `has_aux` does not match it, `loss_scale` is none of the above, the
+        loss is not a float scalar, or it is called under `jax.jit`.
       ValueError: if `loss_scale` is a number that is not positive and finite,
         or `params` has no floating-point array to differentiate.
 
@@ -259,6 +260,17 @@ def locate_overflow(
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    if any(
+        isinstance(leaf, jax.core.Tracer)
+        for leaf in jax.tree.leaves((params, args, kwargs, loss_scale))
+    ):
+        raise TypeError(
+            "`locate_overflow` runs on the host, outside the train step, and got"
+            " traced values (it was called inside `jax.jit`, `grad` or `vmap`)."
+            " Call it after the step, on the failing batch and the optimizer"
+            ' state, e.g. when `metrics(opt_state)["skipped_steps"]` grows.'
+        )
+    _check_call(loss_fn, params, args, kwargs)
     state = _state(loss_scale)
     paths, leaves, treedef = _flatten_with_paths(params)
     differentiated = [i for i, leaf in enumerate(leaves) if _inexact_array(leaf)]
@@ -284,8 +296,7 @@ def locate_overflow(
         out = loss_fn(
             rebuild(diff, differentiated, leaves, treedef), *call_args, **call_kwargs
         )
-        loss = out[0] if has_aux else out
-        loss = checks.check_loss(loss, "loss_fn(params, ...)")
+        loss, _ = grad.split_loss(out, has_aux, "loss_fn", "loss_fn(params, ...)")
         return functional.scale_loss(loss, state), loss
 
     def step(diff, batch):
@@ -342,6 +353,24 @@ def _flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     return paths, [leaf for _, leaf in with_paths], treedef
 
 
+def _check_call(loss_fn: Any, params: Any, args: tuple, kwargs: dict) -> None:
+    """Raises `TypeError` if `loss_fn(params, *args, **kwargs)` cannot bind."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read: the call decides
+        return
+    try:
+        signature.bind(params, *args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"`loss_fn{signature}` cannot take `(params, *args, **kwargs)` as"
+            f" given ({len(args)} positional argument(s) after `params`, keywords"
+            f" {sorted(kwargs)}): {error}. Pass its arguments as the train step"
+            " does: `locate_overflow(loss_fn, params, x, y, loss_scale=...)` for"
+            " `loss_fn(params, x, y)`."
+        ) from None
+
+
 def _input_names(loss_fn: Callable[..., Any], count: int) -> list[str]:
     """The names `loss_fn` gives `params` and its `count` further arguments."""
     try:
@@ -364,9 +393,8 @@ def _argument_name(path: tuple[Any, ...], names: list[str]) -> str:
 
 
 def _state(loss_scale: Any) -> Any:
-    if checks.is_number(loss_scale):
-        return kinds.StaticLossScale(loss_scale)
-    return lookup.find(loss_scale, "loss_scale")
+    found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
+    return kinds.StaticLossScale(found) if checks.is_number(found) else found
 
 
 def _array(leaf: Any) -> bool:
