@@ -161,7 +161,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
         backing off cannot help; a loop can stop on it;
       * `overflow_leaf`: int32, the index in `jax.tree.leaves(grads)` (no
         `None` leaves) of the first non-finite gradient of the latest skipped
-        step; -1 if none was. `lossscale.leaf_path` names it.
+        step, or -1 (set by the guarded steps, not `update`); `leaf_path` names it.
 
     Raises:
       TypeError: if given a spec (a number, "dynamic" or None) or the optimizer.
