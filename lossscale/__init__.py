@@ -22,8 +22,8 @@ from lossscale._src.grad import value_and_grad
 from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.leaf_path import leaf_path
 from lossscale._src.locate import OverflowReport
-from lossscale._src.locate import leaf_path
 from lossscale._src.locate import locate_overflow
 from lossscale._src.lookup import get_loss_scale
 from lossscale._src.update import update

@@ -4,6 +4,7 @@ rule against a pure-Python model, settings as static data, bad settings."""
 import copy
 import json
 import pickle
+import re
 
 import chex
 import hypothesis.strategies as st
@@ -540,3 +541,20 @@ def test_numbers_beyond_any_float_are_a_value_error_naming_the_setting(build, na
     with pytest.raises(ValueError, match=f"`{name}` must be positive and finite") as e:
         build()
     assert "chars)" in str(e.value) and len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("grads_finite", "loss_finite", "error", "hint"),
+    [
+        ({"w": jnp.ones(2)}, True, TypeError, "lossscale.all_finite(grads)"),
+        (jnp.isfinite(jnp.ones(3)), True, ValueError, "lossscale.all_finite(grads)"),
+        (True, jnp.float32(0.5), TypeError, "jnp.isfinite(loss)"),
+        (True, 0.5, TypeError, "jnp.isfinite(loss)"),
+    ],
+    ids=["grads", "isfinite_per_element", "loss_array", "loss_float"],
+)
+def test_update_given_gradients_or_a_loss_says_how_to_compute_the_flag(
+    grads_finite, loss_finite, error, hint
+):
+    with pytest.raises(error, match=re.escape(hint)):
+        lossscale.update(lossscale.DynamicLossScale(), grads_finite, loss_finite)

@@ -222,3 +222,9 @@ def test_bad_axis_names_are_refused(axis_name):
         lossscale.wrap(optax.sgd(0.1), axis_name=axis_name)
     with pytest.raises(TypeError, match="axis_name"):
         lossscale.all_finite(jnp.ones(2), axis_name=axis_name)
+
+
+def test_all_finite_outside_the_mapped_function_says_what_to_do():
+    with pytest.raises(ValueError, match="binds the axis 'data'") as info:
+        jax.jit(lambda x: lossscale.all_finite(x, axis_name="data"))(jnp.ones(2))
+    assert "all_finite" in str(info.value) and "drop `axis_name`" in str(info.value)

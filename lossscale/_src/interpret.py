@@ -4,7 +4,8 @@
 infs, and an overflow is an inf before it is a NaN (`jnp.exp` of float16 20.0
 passes them; docs/design.md, "Locating an overflow"). So `locate_overflow`
 evaluates the jaxpr of the scaled loss's `value_and_grad` equation by
-equation, as `jax.core.eval_jaxpr` does, and checks what each produces.
+equation, as `jax.core.eval_jaxpr` does, and follows each inf or NaN back to
+the equation, or the input, it came from.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ _CALLS = {
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",  # `jax.checkpoint`'s primitive
     "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
@@ -34,7 +37,7 @@ _CALLS = {
 
 @dataclasses.dataclass(frozen=True)
 class Producer:
-    """The first equation whose finite inputs gave a non-finite output."""
+    """An equation whose inputs held no inf or NaN that reaches its output."""
 
     op: str
     backward: bool
@@ -42,39 +45,108 @@ class Producer:
     function: str | None
 
 
-def run(closed: Any, args: list[Any]) -> tuple[list[Any], Producer | None]:
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What `run` found: the outputs, and where each one's inf or NaN came from.
+
+    `origins[i]` is None for a finite output; otherwise an index into `sources`,
+    whose entries are in the order they were found: an int is the position of
+    an argument that was not finite on entry, a `Producer` the equation that
+    made the first non-finite value this output derives from.
+    """
+
+    outputs: list[Any]
+    origins: list[int | None]
+    sources: list[int | Producer]
+
+
+def run(closed: Any, args: list[Any]) -> Run:
     """Evaluates `closed` (a ClosedJaxpr) on `args`, as `jax.core.eval_jaxpr`.
 
-    Returns its outputs, and the first equation that produced a non-finite
-    value from finite inputs (None if none did).
+    Each value carries the origin of its inf or NaN. An equation whose output
+    is not finite passes on the earliest origin among its inputs'; if none of
+    its inputs has one, it is the origin. So a non-finite value that never
+    reaches an output (an aux metric's `log(0)`) is never blamed for one that
+    does, and a constant `-inf` (an attention mask) is blamed only through the
+    equation that carries it into a non-finite result.
     """
-    found: list[Producer] = []
+    sources: list[int | Producer] = []
 
-    def evaluate(jaxpr, consts, values):
+    def new_source(source: int | Producer) -> int:
+        sources.append(source)
+        return len(sources) - 1
+
+    def evaluate(jaxpr, consts, values, origins, backward):
         env = {}
 
         def read(var):
-            return var.val if isinstance(var, core.Literal) else env[var]
+            return (var.val, None) if isinstance(var, core.Literal) else env[var]
 
-        env.update(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, values, strict=True))
+        env.update(
+            (var, (const, None))
+            for var, const in zip(jaxpr.constvars, consts, strict=True)
+        )
+        env.update(
+            (var, (value, origin))
+            for var, value, origin in zip(jaxpr.invars, values, origins, strict=True)
+        )
         for eqn in jaxpr.eqns:
-            inputs = [read(var) for var in eqn.invars]
+            pairs = [read(var) for var in eqn.invars]
+            inputs = [value for value, _ in pairs]
+            in_origins = [origin for _, origin in pairs]
+            # Inside a transposed call every equation is in the backward pass,
+            # though its own name stack starts afresh.
+            in_backward = backward or _transposed(eqn)
             sub = _sub_jaxpr(eqn, len(inputs))
-            if sub is not None and not found:
-                outputs = evaluate(sub.jaxpr, sub.consts, inputs)
+            if sub is not None:
+                outputs, out_origins = evaluate(
+                    sub.jaxpr, sub.consts, inputs, in_origins, in_backward
+                )
             else:
                 with eqn.ctx.manager:
                     outputs = eqn.primitive.bind(*inputs, **_bind_params(eqn))
                 if not eqn.primitive.multiple_results:
                     outputs = [outputs]
-                if not found and _produced(inputs, outputs):
-                    found.append(_producer(eqn))
-            env.update(zip(eqn.outvars, outputs, strict=True))
-        return [read(var) for var in jaxpr.outvars]
+                out_origins = _origins(
+                    outputs,
+                    in_origins,
+                    lambda: new_source(_producer(eqn, in_backward)),  # noqa: B023
+                )
+            env.update(
+                (var, (value, origin))
+                for var, value, origin in zip(
+                    eqn.outvars, outputs, out_origins, strict=True
+                )
+            )
+        pairs = [read(var) for var in jaxpr.outvars]
+        return [value for value, _ in pairs], [origin for _, origin in pairs]
 
-    outputs = evaluate(closed.jaxpr, closed.consts, args)
-    return outputs, (found[0] if found else None)
+    origins = [
+        new_source(position) if nonfinite(arg) else None
+        for position, arg in enumerate(args)
+    ]
+    outputs, out_origins = evaluate(
+        closed.jaxpr, closed.consts, list(args), origins, False
+    )
+    return Run(outputs, out_origins, sources)
+
+
+def _origins(
+    outputs: list[Any], in_origins: list[int | None], made_here: Callable[[], int]
+) -> list[int | None]:
+    """Each output's origin: None if finite, else the inputs' earliest, else here."""
+    inherited = min((o for o in in_origins if o is not None), default=None)
+    origins: list[int | None] = []
+    here = None
+    for output in outputs:
+        if not nonfinite(output):
+            origins.append(None)
+        elif inherited is not None:
+            origins.append(inherited)
+        else:
+            here = made_here() if here is None else here
+            origins.append(here)
+    return origins
 
 
 def _bind_params(eqn: Any) -> dict[str, Any]:
@@ -106,15 +178,24 @@ def nonfinite(value: Any) -> bool:
     return not bool(np.isfinite(np.asarray(value)).all())
 
 
-def _produced(inputs: list[Any], outputs: list[Any]) -> bool:
-    return any(nonfinite(x) for x in outputs) and not any(nonfinite(x) for x in inputs)
+def _transposed(eqn: Any) -> bool:
+    """Whether `eqn` was made by transposing (the backward pass of `grad`).
+
+    Read from the name stack's transforms, not its text: a `named_scope` (or a
+    Flax module) named "transpose" is a scope of the forward pass.
+    """
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return any(
+        type(entry).__name__ == "Transform" and entry.name == "transpose"
+        for entry in stack
+    )
 
 
-def _producer(eqn: Any) -> Producer:
+def _producer(eqn: Any, backward: bool) -> Producer:
     frame = _user_frame(eqn.source_info.traceback)
     return Producer(
         op=eqn.primitive.name,
-        backward="transpose" in str(eqn.source_info.name_stack),
+        backward=backward,
         source=None if frame is None else f"{frame.file_name}:{frame.line_num}",
         function=None if frame is None else frame.function_name,
     )
