@@ -228,3 +228,20 @@ def test_all_finite_outside_the_mapped_function_says_what_to_do():
     with pytest.raises(ValueError, match="binds the axis 'data'") as info:
         jax.jit(lambda x: lossscale.all_finite(x, axis_name="data"))(jnp.ones(2))
     assert "all_finite" in str(info.value) and "drop `axis_name`" in str(info.value)
+
+
+@pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
+def test_the_step_outside_the_mapped_function_says_what_to_do(path):
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.full(3, 2.0)}
+    tx = optax.sgd(0.1)
+    if path == "wrap":
+        wrapped = lossscale.wrap(tx, 2.0, axis_name="data")
+        call = lambda: wrapped.update(grads, wrapped.init(params), params)  # noqa: E731
+    else:
+        call = lambda: lossscale.apply_gradients(  # noqa: E731
+            tx, grads=grads, params=params, opt_state=tx.init(params),
+            loss_scale=lossscale.StaticLossScale(2.0), axis_name="data",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"binds the axis 'data'.*jax.pmap"):
+        jax.jit(call)()

@@ -60,6 +60,9 @@ def guarded_step(
       `(output, carry, loss_scale, applied)`.
     """
     checks.check_gradients(grads, params)
+    checks.check_axis_bound(
+        options.axis_name, "the step (`wrap`'s `update`, `apply_gradients`, ...)"
+    )
     checked = numerics.check(
         grads, loss_scale, params, norm=options.clip_norm is not None
     )
