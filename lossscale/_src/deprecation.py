@@ -68,7 +68,9 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
         " `optax.tree_utils.tree_where(pred, a, b)`"
     )
     return optax.tree_utils.tree_where(
-        checks.as_predicate("pred", pred), on_true, on_false
+        checks.as_predicate("pred", pred, "lossscale.all_finite(grads)"),
+        on_true,
+        on_false,
     )
 
 
