@@ -16,6 +16,7 @@ from lossscale._src import functional
 from lossscale._src import interpret
 from lossscale._src import kinds
 from lossscale._src import lookup
+from lossscale._src import program
 
 
 def leaf_path(params: Any, index: Any) -> str | None:
@@ -53,7 +54,7 @@ def leaf_path(params: Any, index: Any) -> str | None:
             "`index` must be an integer scalar (e.g. `metrics(opt_state)"
             f'["overflow_leaf"]`), got {index!r}.'
         )
-    paths, _, _ = _flatten_with_paths(params)
+    paths, _, _ = program.flatten_with_paths(params)
     position = int(value)
     if position == -1:
         return None
@@ -186,49 +187,24 @@ def locate_overflow(
       >>> print(report.kind, report.op, report.leaves)
       forward exp ("['w']",)
     """
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+    problem = program.Program.build(loss_fn, params, args, kwargs, has_aux)
     state = _state(loss_scale)
-    paths, leaves, treedef = _flatten_with_paths(params)
-    differentiated = [i for i, leaf in enumerate(leaves) if _inexact_array(leaf)]
-    if not differentiated:
-        raise ValueError(
-            "`params` has no floating-point array to differentiate; pass what the"
-            " train step differentiates (the parameters, or the model)."
-        )
-    arg_leaves, arg_tree = jax.tree.flatten(args)
-    arrays = [i for i, leaf in enumerate(arg_leaves) if _array(leaf)]
-
-    def rebuild(values, positions, template, tree):
-        out = list(template)
-        for i, value in zip(positions, values, strict=True):
-            out[i] = value
-        return jax.tree.unflatten(tree, out)
 
     def scaled(diff, batch):
-        out = loss_fn(
-            rebuild(diff, differentiated, leaves, treedef),
-            *rebuild(batch, arrays, arg_leaves, arg_tree),
-            **kwargs,
-        )
-        loss = out[0] if has_aux else out
-        loss = checks.check_loss(loss, "loss_fn(params, ...)")
+        loss, _ = problem.loss(diff, batch)
         return functional.scale_loss(loss, state), loss
 
     def step(diff, batch):
         return jax.value_and_grad(scaled, has_aux=True)(diff, batch)
 
-    diff = [leaves[i] for i in differentiated]
-    batch = [arg_leaves[i] for i in arrays]
+    diff, batch = problem.diff, problem.batch
     closed, shape = jax.make_jaxpr(step, return_shape=True)(diff, batch)
     outputs, producer = interpret.run(closed, jax.tree.leaves((diff, batch)))
     (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), outputs)
     inverse = 1.0 / float(state.scale)
     bad = tuple(
-        paths[i]
-        for i, g in zip(differentiated, grads, strict=True)
+        path
+        for path, g in zip(problem.diff_paths, grads, strict=True)
         if interpret.nonfinite(jnp.asarray(g, jnp.float32) * inverse)
     )
     loss = float(loss)
@@ -245,28 +221,7 @@ def locate_overflow(
     )
 
 
-def _flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """`(keystr paths, leaves, treedef)` of `tree`, `None` counted as a leaf.
-
-    As the step counts them: Equinox's filtered parameters have None where the
-    model has a function.
-    """
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: x is None
-    )
-    paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
-    return paths, [leaf for _, leaf in with_paths], treedef
-
-
 def _state(loss_scale: Any) -> Any:
     if checks.is_number(loss_scale):
         return kinds.StaticLossScale(loss_scale)
     return lookup.find(loss_scale, "loss_scale")
-
-
-def _array(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
-
-
-def _inexact_array(leaf: Any) -> bool:
-    return _array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
