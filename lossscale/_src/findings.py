@@ -58,8 +58,9 @@ class PreflightReport:
     """What `lossscale.preflight` or `lossscale.preflight_step` found.
 
     Attributes:
-      findings: the `Finding`s, errors first, then warnings, then info.
-      scale: the largest power of two (at most 2**24) at which the probe's
+      findings: the findings (each a `Finding`), errors first, then warnings,
+        then info.
+      scale: the largest power of two (at most `2**24`) at which the probe's
         scaled gradients stay finite with a 2x margin: where a dynamic scale
         should start so that no batch is lost. None where it was not probed
         (`preflight_step`) or no scale gives finite gradients (a forward
@@ -125,6 +126,12 @@ def power(scale: float) -> str:
     if exponent == int(exponent):
         return f"2**{int(exponent)}"
     return f"{scale:g}"
+
+
+def literal(scale: float) -> str:
+    """`scale` as Python code: `2.0**k` for a power of two, else its repr."""
+    text = power(scale)
+    return text.replace("2**", "2.0**") if text.startswith("2**") else repr(scale)
 
 
 def ordered(findings: list[Finding]) -> tuple[Finding, ...]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import jax
 import numpy as np
 from jax.extend import core
 
@@ -20,6 +19,7 @@ from lossscale._src.findings import Finding
 from lossscale._src.probe import Evaluation
 from lossscale._src.probe import Probe
 from lossscale._src.program import Program
+from lossscale._src.program import trace
 
 F16 = np.dtype(np.float16)
 F16_MAX = float(np.finfo(np.float16).max)
@@ -43,9 +43,7 @@ _SUMS = {
 
 def check(problem: Program, probe: Probe, evaluation: Evaluation) -> list[Finding]:
     """The forward pass's findings: the traced program's and the probe batch's."""
-    closed = jax.make_jaxpr(lambda d, b: problem.loss(d, b)[0])(
-        problem.diff, problem.batch
-    )
+    closed = trace(lambda d, b: problem.loss(d, b)[0], problem.diff, problem.batch)
     findings = half_accumulations(closed.jaxpr)
     findings += loss_in_half(closed.jaxpr)
     return findings + _overflows(probe, evaluation)

@@ -16,6 +16,7 @@ import numpy as np
 from lossscale._src import interpret
 from lossscale._src.base import LossScale
 from lossscale._src.findings import Finding
+from lossscale._src.findings import literal
 from lossscale._src.findings import power
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.probe import Evaluation
@@ -99,7 +100,7 @@ def _overflow(
         advice = (
             f"Start the scale at {power(scale)} (`report.scale`), the largest with"
             " finite gradients at twice it: e.g."
-            f" `lossscale.DynamicLossScale(scale={scale:g})`."
+            f" `lossscale.DynamicLossScale(scale={literal(scale)})`."
         )
     return [
         Finding(
@@ -149,14 +150,14 @@ def _underflow(
                 severity="error",
                 message=(
                     f"The backward pass runs in float16 without loss scaling:"
-                    f" {measured}; the most in {where}. Those parameters do not"
-                    " train."
+                    f" {measured}, the most in {where}. The parameters whose gradients"
+                    " are all zero do not train."
                 ),
                 where=where,
                 fix=(
-                    "Scale the loss: `lossscale.wrap(inner, loss_scale=lossscale"
-                    f".DynamicLossScale(scale={scale or best.scale:g}))`, starting"
-                    f" at {target}."
+                    f"Scale the loss, starting at {target}: `lossscale.wrap(inner,"
+                    " loss_scale=lossscale.DynamicLossScale(scale="
+                    f"{literal(scale or best.scale)}))`."
                 ),
             )
         ]
@@ -164,11 +165,11 @@ def _underflow(
         Finding(
             code="gradient-underflow",
             severity="warning",
-            message=f"{measured}; the most in {where}.",
+            message=f"{measured}, the most in {where}.",
             where=where,
             fix=(
                 f"Start the scale at {target}, which keeps them:"
-                f" `lossscale.DynamicLossScale(scale={scale or best.scale:g})`."
+                f" `lossscale.DynamicLossScale(scale={literal(scale or best.scale)})`."
             ),
         )
     ]

@@ -32,6 +32,7 @@ from jax.extend import core
 
 from lossscale._src import interpret
 from lossscale._src.program import Program
+from lossscale._src.program import trace
 
 F16 = np.dtype(np.float16)
 _F16 = np.finfo(np.float16)
@@ -81,8 +82,8 @@ class Probe:
 
         self._args = [*problem.diff, *problem.batch]
         one = jnp.ones([], jnp.float32)
-        closed = jax.make_jaxpr(jax.value_and_grad(scaled, has_aux=True))(
-            problem.diff, problem.batch, one
+        closed = trace(
+            jax.value_and_grad(scaled, has_aux=True), problem.diff, problem.batch, one
         )
         marked = [False] * len(self._args) + [True]
         # The unscaled loss is the second output: its equations are the forward's.

@@ -111,6 +111,24 @@ class Program:
         return checks.check_loss(loss, "loss_fn(params, ...)"), aux
 
 
+def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`jax.make_jaxpr(fun, **kwargs)(*args)`, naming what cannot be traced alone.
+
+    A loss that reduces over a mapped axis (`lax.pmean(loss, "batch")`) runs only
+    inside `shard_map` or `pmap`; the check runs one device's program.
+    """
+    try:
+        return jax.make_jaxpr(fun, **kwargs)(*args)
+    except NameError as error:
+        if "unbound axis name" not in str(error):
+            raise
+        raise ValueError(
+            f"`loss_fn` reduces over a mapped axis ({error}); the check runs one"
+            " device's program, outside `shard_map` and `pmap`. Pass the loss"
+            " without the collective (the mean over the local batch)."
+        ) from None
+
+
 def _rebuild(values: list[Any], positions: list[int], template: list, tree) -> Any:
     out = list(template)
     for i, value in zip(positions, values, strict=True):
