@@ -198,7 +198,7 @@ def test_forward_overflow_is_an_exp_that_overflows_float16_with_its_line():
     report = lossscale.preflight(loss_fn, params, tokens, targets)
     assert report.codes == {"forward-overflow"}, str(report)
     assert report.findings[0].where == line_of("exp-line")
-    assert report.scale is None  # the loss is not finite: no scale helps
+    assert report.scale is None, str(report)  # the loss is not finite
     # The reference: the loss, computed as the program says, is not finite.
     assert not np.isfinite(float(jax.jit(loss_fn)(params, tokens, targets)))
 
@@ -299,7 +299,7 @@ def test_unscaled_half_gradients_is_the_deep_mlp_without_loss_scaling():
     assert report.codes == {"unscaled-half-gradients"}, str(report)
     lost, nonzero = lost_to_zero(loss_fn, params, *args, low=1.0, high=report.scale)
     assert sum(lost.values()) > 0.01 * nonzero, (lost, nonzero)
-    assert report.findings[0].where == max(lost, key=lost.get)
+    assert report.findings[0].where == max(lost, key=lost.get), lost
 
 
 def test_optimizer_underflow_is_adams_eps_with_float16_parameters():
@@ -316,7 +316,7 @@ def test_optimizer_underflow_is_adams_eps_with_float16_parameters():
     # The reference: optax's Adam on a zero float16 gradient gives NaN (eps = 0).
     adam = optax.adam(1e-3)
     update, _ = jax.jit(adam.update)(jnp.zeros_like(leaf), adam.init(leaf), leaf)
-    assert np.isnan(np.asarray(update, np.float32)).all()
+    assert np.isnan(np.asarray(update, np.float32)).all(), update
     assert np.float16(1e-8) == 0
 
 

@@ -75,7 +75,7 @@ def _largest_safe_scale(probe: Probe, base: Evaluation) -> float | None:
         scale /= 2
         if scale < 2.0**-24:
             return None
-    # The estimate counts every float16 value of the backward pass, even one that
+    # The estimate counts the backward pass's float16 values, even one that
     # a mask drops before the gradients: try one doubling more.
     if scale < MAX_SCALE and probe(4 * scale).finite:
         scale *= 2

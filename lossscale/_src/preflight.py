@@ -40,7 +40,7 @@ def preflight(
 
     On the host, outside `jax.jit`: traces `loss_fn(params, *args)` and its
     gradients in the dtypes the code chooses, runs them on the batch at a few
-    loss scales with every float16 value measured (one compiled program) and,
+    loss scales with its float16 values measured (one compiled program) and,
     with `optimizer`, one probe update. Each hazard is a `Finding` (codes and
     examples: `docs/guides/preflight.md`); `report.scale` is where a dynamic
     scale should start. It differentiates the floating-point arrays of
