@@ -197,7 +197,9 @@ def test_forward_overflow_is_an_exp_that_overflows_float16_with_its_line():
     loss_fn, params, tokens, targets = text_problem(mix="exp")
     report = lossscale.preflight(loss_fn, params, tokens, targets)
     assert report.codes == {"forward-overflow"}, str(report)
-    assert report.findings[0].where == line_of("exp-line")
+    # Only the exp: not the float16 ops after it, whose inputs come (through
+    # float32 values, whose NaN XLA:CPU's float32 `max` may miss) from the inf.
+    assert [f.where for f in report.findings] == [line_of("exp-line")], str(report)
     assert report.scale is None, str(report)  # the loss is not finite
     # The reference: the loss, computed as the program says, is not finite.
     assert not np.isfinite(float(jax.jit(loss_fn)(params, tokens, targets)))
