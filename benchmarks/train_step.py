@@ -46,7 +46,7 @@ F16 = jnp.float16
 # -- the models: float32 parameters, float16 compute, float32 loss ----------------
 
 
-def mlp(key, width=1024, depth=4, batch=256, classes=10):
+def mlp(key, width=1024, depth=4, batch=256, classes=10, compute=F16):
     keys = jax.random.split(key, depth + 2)
     sizes = [width] * depth + [classes]
     params = {
@@ -60,10 +60,10 @@ def mlp(key, width=1024, depth=4, batch=256, classes=10):
     y = jax.random.randint(keys[-1], (batch,), 0, classes)
 
     def loss_fn(params, batch):
-        h, labels = batch[0].astype(F16), batch[1]
+        h, labels = batch[0].astype(compute), batch[1]
         for i in range(depth + 1):
             layer = params[f"layer{i}"]
-            h = h @ layer["w"].astype(F16) + layer["b"].astype(F16)
+            h = h @ layer["w"].astype(compute) + layer["b"].astype(compute)
             if i < depth:
                 h = jax.nn.gelu(h)
         logits = h.astype(jnp.float32)
@@ -72,7 +72,9 @@ def mlp(key, width=1024, depth=4, batch=256, classes=10):
     return params, (x, y), loss_fn
 
 
-def transformer(key, width=256, heads=4, depth=4, tokens=128, rows=16, vocab=512):
+def transformer(
+    key, width=256, heads=4, depth=4, tokens=128, rows=16, vocab=512, compute=F16
+):
     keys = iter(jax.random.split(key, 6 * depth + 3))
 
     def dense(n_in, n_out):
@@ -99,23 +101,25 @@ def transformer(key, width=256, heads=4, depth=4, tokens=128, rows=16, vocab=512
         h32 = (h32 - h32.mean(-1, keepdims=True)) * jax.lax.rsqrt(
             h32.var(-1, keepdims=True) + 1e-5
         )
-        return (h32 * gain).astype(F16)
+        return (h32 * gain).astype(compute)
 
     def loss_fn(params, batch):
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        h = params["embed"].astype(F16)[inputs]
+        h = params["embed"].astype(compute)[inputs]
         for i in range(depth):
             p = params[f"block{i}"]
-            q, k, v = jnp.split(norm(h, p["ln1"]) @ p["qkv"].astype(F16), 3, axis=-1)
+            q, k, v = jnp.split(
+                norm(h, p["ln1"]) @ p["qkv"].astype(compute), 3, axis=-1
+            )
             split = lambda t: t.reshape(rows, tokens, heads, -1)  # noqa: E731
             logits = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k))
             logits = logits.astype(jnp.float32) / math.sqrt(width // heads)
-            weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), -1).astype(F16)
+            weights = jax.nn.softmax(jnp.where(mask, logits, -1e9), -1).astype(compute)
             attended = jnp.einsum("bhqk,bkhd->bqhd", weights, split(v))
-            h = h + attended.reshape(rows, tokens, width) @ p["out"].astype(F16)
-            up = jax.nn.gelu(norm(h, p["ln2"]) @ p["up"].astype(F16))
-            h = h + up @ p["down"].astype(F16)
-        logits = (norm(h, params["ln_f"]) @ params["embed"].astype(F16).T).astype(
+            h = h + attended.reshape(rows, tokens, width) @ p["out"].astype(compute)
+            up = jax.nn.gelu(norm(h, p["ln2"]) @ p["up"].astype(compute))
+            h = h + up @ p["down"].astype(compute)
+        logits = (norm(h, params["ln_f"]) @ params["embed"].astype(compute).T).astype(
             jnp.float32
         )
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

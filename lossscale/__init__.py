@@ -25,8 +25,8 @@ from lossscale._src.grad import value_and_grad
 from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.leaf_path import leaf_path
 from lossscale._src.locate import OverflowReport
-from lossscale._src.locate import leaf_path
 from lossscale._src.locate import locate_overflow
 from lossscale._src.lookup import get_loss_scale
 from lossscale._src.preflight import preflight
@@ -65,3 +65,10 @@ __all__ = (
     "value_and_grad",
     "wrap",
 )
+
+
+def __getattr__(name: str):
+    # lossscale 0.2's removed names: an alias that warns, or an error naming 0.3's.
+    from lossscale._src import deprecation
+
+    return deprecation.module_attribute(name)

@@ -47,3 +47,20 @@ def assert_tree_equal():
 def mesh():
     """A mesh of the eight simulated CPU devices, one axis `data`."""
     return Mesh(np.array(DEVICES[:8]), ("data",))
+
+
+@pytest.fixture(params=["cpu", "gpu", "tpu"], ids=lambda name: f"{name}-form")
+def backend_form(request, monkeypatch):
+    """Runs the test with the step in the form lowered for that backend.
+
+    The forms XLA:GPU and the TPU compiler get (stacked or per-leaf check, a
+    select instead of a cond) are plain JAX: on the CPU they must give the CPU
+    form's results, bit for bit.
+    """
+    from lossscale._src import numerics
+
+    def chosen(*args, cpu, gpu, tpu):
+        return {"cpu": cpu, "gpu": gpu, "tpu": tpu}[request.param](*args)
+
+    monkeypatch.setattr(numerics, "per_backend", chosen)
+    return request.param

@@ -39,6 +39,48 @@ def cross_entropy(logits, labels):
     ).mean()
 
 
+# float16's epsilon, 2**-10: one float16 rounding moves a value by at most half of it.
+FLOAT16_EPS = float(np.finfo(np.float16).eps)
+FLOAT32_ULPS = 4  # the roundings of one float32 update: a few ulps of the value
+
+
+def assert_one_step_close(before, want, got, name=""):
+    """`got` is the tree `want`, one training step after `before`, up to rounding.
+
+    For two programs that take one step from the same state `before` but are
+    compiled differently (another fusion, another CPU): where XLA keeps float16
+    intermediates in float32 (excess precision) and which products it contracts
+    into fused multiply-adds differ, so float16 gradients may differ by float16's
+    epsilon (2**-10) of their magnitude, and what a step computes from them (an
+    Adam update, a momentum, a moment, a batch statistic) by that much of the
+    step's change to a leaf. The tolerance is 2**-10 of the leaf's largest change,
+    plus a few float32 ulps of the value; a leaf the step did not change must
+    match to those ulps, and integer leaves (step counts) exactly. A wrong step
+    (a gradient off by the scale, a skip applied) is off by far more.
+    """
+    leaves = [jax.tree_util.tree_leaves_with_path(tree) for tree in (before, want, got)]
+    for (path, start), (_, expected), (_, actual) in zip(*leaves, strict=True):
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        start, expected, actual = (np.asarray(x) for x in (start, expected, actual))
+        if not np.issubdtype(expected.dtype, np.floating):
+            np.testing.assert_array_equal(actual, expected, err_msg=where)
+            continue
+        start, expected, actual = (
+            x.astype(np.float64) for x in (start, expected, actual)
+        )
+        change = np.abs(expected - start).max(initial=0.0)
+        ulps = FLOAT32_ULPS * np.spacing(np.abs(expected).astype(np.float32))
+        tolerance = FLOAT16_EPS * change + ulps
+        difference = np.abs(actual - expected)
+        worst = np.unravel_index(np.argmax(difference - tolerance), expected.shape)
+        assert (difference <= tolerance).all(), (
+            f"{where}: {actual[worst]!r}, expected {expected[worst]!r} at {worst}:"
+            f" they differ by {difference[worst]:.3g} > tolerance"
+            f" {tolerance[worst]:.3g} (the leaf's largest change this step:"
+            f" {change:.3g})"
+        )
+
+
 def bitwise_equal(a, b):
     """Like `tree_equal`, but also tells -0.0 from +0.0."""
     leaves_a, def_a = jax.tree.flatten(a)

@@ -246,6 +246,50 @@ def test_bad_arguments_are_refused_with_their_names():
         lossscale.apply_gradients(tx, **good, value="loss")
 
 
+def test_an_opt_state_not_from_tx_init_is_refused_naming_where_it_differs():
+    tx = optax.adam(1e-3)
+    params = {"w": jnp.ones(2)}
+    good = dict(
+        grads={"w": jnp.ones(2)},
+        params=params,
+        loss_scale=lossscale.DynamicLossScale(),
+    )
+    # Before: `AttributeError: 'EmptyState' object has no attribute 'mu'`, a
+    # `len()` of None, or a tree-prefix error deep inside optax.
+    for opt_state, where in [
+        (optax.sgd(0.1).init(params), "0 leaves where `tx.init"),
+        (None, "0 leaves where `tx.init"),
+        (tx.init({"v": jnp.ones(2)}), r"`opt_state\[0\].mu\['v'\]`"),
+    ]:
+        with pytest.raises(ValueError, match=f"must be `tx.init\\(params\\)`.*{where}"):
+            lossscale.apply_gradients(tx, opt_state=opt_state, **good)
+    # A state carried from step to step is, of course, accepted.
+    step = jax.jit(functools.partial(lossscale.apply_gradients, tx))
+    opt_state = tx.init(params)
+    for _ in range(2):
+        params, opt_state, _ = step(**{**good, "params": params}, opt_state=opt_state)
+
+
+def test_near_misses_of_tx_and_loss_scale_say_what_to_write():
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.ones(2)}
+    good = dict(
+        grads={"w": jnp.ones(2)},
+        params=params,
+        opt_state=tx.init(params),
+        loss_scale=lossscale.DynamicLossScale(),
+    )
+    with pytest.raises(TypeError, match="`sgd` is a factory: call it"):
+        lossscale.apply_gradients(optax.sgd, **good)
+    multi = optax.MultiSteps(tx, every_k_schedule=2)
+    with pytest.raises(TypeError, match=r"pass `tx.gradient_transformation\(\)`"):
+        lossscale.apply_gradients(multi, **good)
+    with pytest.raises(TypeError, match="the class `DynamicLossScale`.*an instance"):
+        lossscale.apply_gradients(
+            tx, **{**good, "loss_scale": lossscale.DynamicLossScale}
+        )
+
+
 @pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
 @pytest.mark.parametrize("grad_dtype", ["float16", "bfloat16"])
 def test_narrow_gradients_of_wide_params_are_unscaled_without_underflow(

@@ -508,6 +508,48 @@ def test_settings_must_be_static_python_values():
     assert Holder(value=[1, [2.5, "a"]]).value == (1, (2.5, "a"))  # JSON's lists
 
 
+def test_a_list_default_of_a_setting_becomes_the_tuple_a_list_value_does():
+    # Issue 33: dataclasses refused it with "use default_factory", which
+    # `lossscale.field` does not take. A setting is immutable, so the list is
+    # stored as a tuple, as a list given to the constructor or read from JSON is.
+    class Milestones(lossscale.LossScale, kind="tests.milestones"):
+        scale: jax.Array = lossscale.field(dtype=jnp.float32, default=1.0)
+        steps: tuple = lossscale.field(static=True, default=[10, [20, 30]])
+
+        def rule(self, grads_finite):
+            return self
+
+    assert Milestones().steps == (10, (20, 30))
+    assert Milestones(steps=[10, [20, 30]]) == Milestones()
+    saved = json.loads(json.dumps(Milestones().get_config()))
+    assert lossscale.LossScale.from_config(saved) == Milestones()
+    assert jax.tree.structure(Milestones()) == jax.tree.structure(
+        Milestones(steps=(10, (20, 30)))
+    )
+
+
+def test_a_setting_default_that_no_setting_can_hold_is_refused_at_the_field():
+    with pytest.raises(TypeError, match=r"`field\(static=True\)`: setting `default`"):
+        lossscale.field(static=True, default={"a": 1})
+    with pytest.raises(TypeError, match="must be a Python value"):
+        lossscale.field(static=True, default=np.float32(1.0))
+
+
+def test_a_field_without_an_annotation_says_to_annotate_it():
+    # dataclasses' own message ("is a field but has no type annotation") does
+    # not say which annotation.
+    with pytest.raises(TypeError, match=r"write `scale: jax.Array = lossscale.field"):
+        _kind({}, {"scale": lossscale.field(dtype=jnp.float32, default=1.0)})
+    with pytest.raises(TypeError, match=r"write `floor: float = lossscale.field"):
+        _kind(
+            {"scale": jax.Array},
+            {
+                "scale": lossscale.field(dtype=jnp.float32, default=1.0),
+                "floor": lossscale.field(static=True, default=1.0),
+            },
+        )
+
+
 def test_fields_need_a_numeric_dtype_jax_keeps_and_a_shape_tuple():
     with pytest.raises(TypeError, match="numeric or boolean"):
         lossscale.field(dtype=jnp.dtype("U3"))

@@ -70,7 +70,7 @@ def test_check_config_refuses_every_other_kind_or_setting(first, second):
     "saved, match",
     [
         ("dynamic", "must be a dict"),
-        ({"kind": "fixed"}, "must be a dict"),
+        ({"kind": "fixed"}, r"`config\['kind'\]` must be one of \['dynamic'"),
         ({"kind": "static"}, r"\['value'\]"),
         ({"kind": "static", "value": 2.0, "extra": 1}, "extra"),
         ({"kind": "static", "value": -2.0}, "positive"),
@@ -79,6 +79,47 @@ def test_check_config_refuses_every_other_kind_or_setting(first, second):
 def test_from_config_refuses_what_config_cannot_have_written(saved, match):
     with pytest.raises(ValueError, match=match):
         lossscale.LossScale.from_config(saved)
+
+
+DYNAMIC_CONFIG = lossscale.DynamicLossScale().get_config()
+
+
+@pytest.mark.parametrize(
+    "saved, match",
+    [
+        # Issue 33: a bare `unhashable type: 'list'`.
+        ({"kind": ["dynamic"]}, r"`config\['kind'\]` must be a kind's name, a string"),
+        ({"kind": None}, r"`config\['kind'\]` must be a kind's name.*NoneType"),
+        ({"growth_interval": 3}, "must have the key 'kind'"),
+        ('{"kind": "dynamic"}', r"json.loads\(text\)"),
+        (lossscale.DynamicLossScale(), r"Pass `state.get_config\(\)`, not the state"),
+        (lossscale.DynamicLossScale().get_config, r"Call it: `state.get_config\(\)`"),
+        (
+            {**DYNAMIC_CONFIG, "growth_intervall": 3},
+            r"unknown \['growth_intervall' \(did you mean 'growth_interval'\?\)\]",
+        ),
+        (
+            {k: v for k, v in DYNAMIC_CONFIG.items() if k != "hysteresis"},
+            r"missing \['hysteresis'\]",
+        ),
+    ],
+    ids=lambda x: repr(x)[:30],
+)
+def test_a_malformed_config_is_refused_naming_the_key_and_what_is_allowed(saved, match):
+    with pytest.raises(ValueError, match=match):
+        lossscale.LossScale.from_config(saved)
+    with pytest.raises(ValueError, match=match):
+        lossscale.check_config(saved, lossscale.DynamicLossScale())
+    if not (isinstance(saved, dict) and isinstance(saved.get("kind"), str)):
+        # The layout reads only the kind: refused alike.
+        with pytest.raises(ValueError, match=match):
+            lossscale.checkpoint_0_2_layout(saved)
+
+
+def test_check_config_with_its_arguments_swapped_says_so():
+    state = lossscale.DynamicLossScale()
+    with pytest.raises(TypeError, match="swap them"):
+        lossscale.check_config(state, state.get_config())
 
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -171,3 +212,65 @@ def test_a_restored_0_2_state_trains_on():
 def test_arrays_of_another_layout_are_refused(arrays, config, match):
     with pytest.raises(ValueError, match=match):
         lossscale.from_checkpoint_0_2(arrays, config)
+
+
+def stacked_0_2_arrays(devices):
+    """Per-device 0.2 arrays of a dynamic state, and the fields each holds."""
+    # 0.2's int32 order: skipped_steps, consecutive_skips, forward_overflows,
+    # stuck, counter, overflows_since_growth; float32: scale.
+    ints = np.array([[d, d % 2, 0, 0, d + 1, d % 3] for d in range(devices)], np.int32)
+    floats = np.array([[2.0 ** (d + 4)] for d in range(devices)], np.float32)
+    return {"int32_fields": ints, "float32_fields": floats}
+
+
+def test_a_pmap_stacked_0_2_state_restores_stacked_and_steps_under_pmap():
+    # Issue 33: `overflow_leaf` (new in 0.3) stayed a scalar, so pmap refused it.
+    devices = jax.local_device_count()
+    config = lossscale.DynamicLossScale(growth_interval=3, hysteresis=2).get_config()
+    layout = lossscale.checkpoint_0_2_layout(config, batch_shape=(devices,))
+    arrays = stacked_0_2_arrays(devices)
+    assert {k: v.shape for k, v in layout.items()} == {
+        k: v.shape for k, v in arrays.items()
+    }
+    state = lossscale.from_checkpoint_0_2(arrays, config)
+    for name, leaf in zip(type(state)._leaves, jax.tree.leaves(state), strict=True):
+        assert leaf.shape == (devices,), (name, leaf.shape)
+    np.testing.assert_array_equal(state.overflow_leaf, np.full(devices, -1))
+    stepped = jax.pmap(lambda s: lossscale.update(s, jnp.asarray(True)))(state)
+    for device in range(devices):
+        one = lossscale.from_checkpoint_0_2(
+            {k: v[device] for k, v in arrays.items()}, config
+        )
+        expected = lossscale.update(one, jnp.asarray(True))
+        for got, want in zip(
+            jax.tree.leaves(stepped), jax.tree.leaves(expected), strict=True
+        ):
+            assert np.asarray(got)[device] == np.asarray(want), (device, got, want)
+
+
+def test_stacked_arrays_must_agree_on_their_leading_shape():
+    arrays = stacked_0_2_arrays(4)
+    arrays["float32_fields"] = arrays["float32_fields"][:2]
+    with pytest.raises(ValueError, match="after the leading dimensions"):
+        lossscale.from_checkpoint_0_2(arrays, DYNAMIC_CONFIG)
+
+
+def test_the_layout_given_instead_of_the_restored_arrays_says_what_to_pass():
+    # Issue 33: an unclear `int()` TypeError.
+    layout = lossscale.checkpoint_0_2_layout(DYNAMIC_CONFIG)
+    with pytest.raises(TypeError, match="restore target.*pass the restored arrays"):
+        lossscale.from_checkpoint_0_2(layout, DYNAMIC_CONFIG)
+
+
+def test_other_mix_ups_of_from_checkpoint_0_2_say_what_to_pass():
+    arrays = stacked_0_2_arrays(1)
+    arrays = {k: v[0] for k, v in arrays.items()}
+    with pytest.raises(TypeError, match="swap them"):
+        lossscale.from_checkpoint_0_2(DYNAMIC_CONFIG, arrays)
+    with pytest.raises(TypeError, match="a 0.3 state already: use it as it is"):
+        lossscale.from_checkpoint_0_2(lossscale.DynamicLossScale(), DYNAMIC_CONFIG)
+    restored = {"params": {"w": np.zeros(2)}, "opt_state": {"loss_scale": arrays}}
+    with pytest.raises(ValueError, match=r"at `arrays\['opt_state'\]\['loss_scale'\]`"):
+        lossscale.from_checkpoint_0_2(restored, DYNAMIC_CONFIG)
+    with pytest.raises(TypeError, match="`batch_shape` must be a tuple of ints"):
+        lossscale.checkpoint_0_2_layout(DYNAMIC_CONFIG, batch_shape=8)

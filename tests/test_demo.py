@@ -25,15 +25,18 @@ def test_demo_float16_with_loss_scaling_matches_float32_where_float16_fails(
     unscaled = results["float16, no loss scaling"]
     scaled = results["float16, dynamic loss scaling"]
 
-    assert float32["accuracy"] > 0.8  # the model really learns
-    assert abs(scaled["accuracy"] - float32["accuracy"]) <= 0.05
-    assert scaled["final_loss"] < 0.5 < 2.0 < unscaled["final_loss"]
+    accuracies = {name: round(r["accuracy"], 3) for name, r in results.items()}
+    assert float32["accuracy"] > 0.8, accuracies  # the model really learns
+    assert abs(scaled["accuracy"] - float32["accuracy"]) <= 0.05, accuracies
+    losses = {name: round(r["final_loss"], 3) for name, r in results.items()}
+    assert scaled["final_loss"] < 0.5 < 2.0 < unscaled["final_loss"], losses
     # Without scaling, float16 loses the lower layers' gradients: a large share
     # of the elements float32 has are exactly zero, and training stalls.
-    assert unscaled["underflow"] > 0.3
-    assert unscaled["zero_fraction"][-100:].mean() > 0.3
-    assert unscaled["accuracy"] < 0.3
-    assert scaled["underflow"] < 0.01
+    underflows = {name: round(r["underflow"], 4) for name, r in results.items()}
+    assert unscaled["underflow"] > 0.3, underflows
+    assert unscaled["zero_fraction"][-100:].mean() > 0.3, unscaled["zero_fraction"]
+    assert unscaled["accuracy"] < 0.3, accuracies
+    assert scaled["underflow"] < 0.01, underflows
     assert scaled["zero_fraction"].max() < 2 * float32["zero_fraction"].max() + 0.01
     # No overflow, so the scale grew once per 2000 finite steps (the default).
     assert scaled["skipped_steps"] == 0

@@ -242,3 +242,24 @@ def test_all_zero_and_empty_trees():
 def test_refuses_integer_leaves():
     with pytest.raises(TypeError, match=r"\['n'\]"):
         lossscale.grad_stats({"n": jnp.ones(2, jnp.int32)})
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", "static"])
+def test_grad_stats_refuses_a_string_naming_what_it_takes(loss_scale):
+    with pytest.raises(TypeError, match="the scale to evaluate at") as info:
+        lossscale.grad_stats({"w": jnp.ones(2)}, loss_scale)
+    assert "2.0**15" in str(info.value)
+
+
+@pytest.mark.parametrize("loss_scale", [0, -2.0, np.inf, np.nan, np.float32(0.0)])
+def test_grad_stats_refuses_a_scale_that_is_not_positive_and_finite(loss_scale):
+    with pytest.raises(ValueError, match="must be positive and finite"):
+        lossscale.grad_stats({"w": jnp.ones(2)}, loss_scale)
+
+
+def test_grad_stats_takes_a_traced_scale_unchecked():
+    # A traced scale cannot be read without a sync: it is taken as given.
+    grads = {"w": jnp.array([1.0, 2.0])}
+    headroom = jax.jit(lambda s: lossscale.grad_stats(grads, s)["headroom_bits"])
+    expected = np.log2(np.float32(65504.0) / (2.0 * 4.0))
+    np.testing.assert_allclose(headroom(jnp.float32(4.0)), expected, rtol=1e-6)

@@ -388,6 +388,62 @@ def test_a_field_whose_tree_changes_cannot_be_kept_and_says_so():
         state.apply_gradients(grads=grads, batch_stats={"other": jnp.ones(2)})
 
 
+def test_a_misspelt_field_is_a_type_error_naming_it_as_flax_raises():
+    variables = BatchNormMLP().init(jax.random.key(0), jnp.ones((4, 3)))
+    with pytest.raises(TypeError, match="`batch_stat`.*did you mean `batch_stats`"):
+        BatchStatsState.create(
+            apply_fn=BatchNormMLP().apply,
+            params=variables["params"],
+            tx=optax.adam(1e-2),
+            batch_stat=variables["batch_stats"],
+        )
+    # Issue 33: `apply_gradients` raised `AttributeError` from `getattr`.
+    state = batch_norm_state()
+    grads = jax.tree.map(jnp.zeros_like, state.params)
+    with pytest.raises(TypeError, match="`batch_stat`.*did you mean `batch_stats`"):
+        state.apply_gradients(grads=grads, batch_stat=state.batch_stats)
+    # Flax's own TrainState raises a TypeError too (for the constructor's keyword).
+    plain = flax_train_state.TrainState.create(
+        apply_fn=None, params=state.params, tx=optax.adam(1e-2)
+    )
+    with pytest.raises(TypeError, match="batch_stat"):
+        plain.apply_gradients(grads=grads, batch_stat={})
+
+
+def test_fields_the_train_state_computes_are_refused_as_keywords():
+    state = batch_norm_state()
+    grads = jax.tree.map(jnp.zeros_like, state.params)
+    for name in ("step", "params", "opt_state", "loss_scale"):
+        with pytest.raises(TypeError, match=f"computes `{name}` itself"):
+            state.apply_gradients(grads=grads, **{name: getattr(state, name)})
+    with pytest.raises(TypeError, match="computes `step` itself"):
+        lossscale.flax.TrainState.create(
+            apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), step=3
+        )
+
+
+def test_an_optax_multisteps_object_says_to_pass_its_transformation():
+    multi = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    with pytest.raises(TypeError, match=r"pass `tx.gradient_transformation\(\)`"):
+        lossscale.flax.TrainState.create(
+            apply_fn=None, params={"w": jnp.ones(2)}, tx=multi
+        )
+    state = lossscale.flax.TrainState.create(
+        apply_fn=None, params={"w": jnp.ones(2)}, tx=multi.gradient_transformation()
+    )
+    assert int(state.apply_gradients(grads={"w": jnp.ones(2)}).step) == 1
+
+
+def test_nnx_optimizer_near_misses_say_what_to_write():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="`sgd` is a factory: call it"):
+        lossscale.flax.Optimizer(model, optax.sgd, wrt=nnx.Param)
+    with pytest.raises(TypeError, match="the class `DynamicLossScale`.*an instance"):
+        lossscale.flax.Optimizer(
+            model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=lossscale.DynamicLossScale
+        )
+
+
 def test_a_spec_put_in_place_of_the_state_is_a_clear_error():
     state = batch_norm_state().replace(loss_scale="dynamic")
     grads = jax.tree.map(jnp.zeros_like, state.params)

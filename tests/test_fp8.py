@@ -158,7 +158,7 @@ def test_metadata_take_no_part_in_the_check():
 
 
 @pytest.mark.parametrize("clip_norm", [None, 1e-3])
-def test_apply_gradients_and_wrap_write_the_metadata_too(clip_norm):
+def test_apply_gradients_and_wrap_write_the_metadata_too(clip_norm, backend_form):
     params = variables()
     trainable = {"params": params["params"]}
     x, y = batch(1)
@@ -256,6 +256,43 @@ def test_multisteps_around_wrap_with_fp8_is_refused_and_says_what_to_do():
     assert float(lossscale.get_loss_scale(plain).scale) == 2.0**15
 
 
+def test_multisteps_outside_wrap_with_fp8_is_refused_and_says_to_wrap_it():
+    # Issue 33: `apply_gradients` and the `TrainState` write the metadata on
+    # every applied call, so under MultiSteps on every micro-step.
+    params = variables()
+    tx = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    inner = tx.gradient_transformation()
+    grads = jax.tree.map(jnp.ones_like, params)
+    remedy = r"lossscale.wrap\(optax.MultiSteps\(inner, k\)\)"
+    with pytest.raises(ValueError, match=f"every micro-step.*{remedy}"):
+        lossscale.apply_gradients(
+            inner,
+            grads=grads,
+            params=params,
+            opt_state=inner.init({"params": params["params"]}),
+            loss_scale=lossscale.NoOpLossScale(),
+        )
+    with pytest.raises(ValueError, match=f"every micro-step.*{remedy}"):
+        lossscale.flax.TrainState.create(apply_fn=MODEL.apply, params=params, tx=inner)
+    # A state built around the check (by the constructor) is refused at the step.
+    plain = new_state()
+    state = plain.replace(tx=inner, opt_state=inner.init(fp8_free(params)))
+    with pytest.raises(ValueError, match=f"every micro-step.*{remedy}"):
+        state.apply_gradients(grads=grads)
+    # Without fp8 variables, accumulating this way is fine.
+    lossscale.apply_gradients(
+        inner,
+        grads=grads["params"],
+        params=params["params"],
+        opt_state=inner.init(params["params"]),
+        loss_scale=lossscale.NoOpLossScale(),
+    )
+
+
+def fp8_free(params):
+    return {k: v for k, v in params.items() if k != OWG}
+
+
 def test_unscale_grads_leaves_the_fp8_collection_alone():
     params = variables()
     grads = jax.tree.map(lambda p: jnp.full_like(p, 8.0), params)
@@ -265,7 +302,9 @@ def test_unscale_grads_leaves_the_fp8_collection_alone():
         np.testing.assert_array_equal(leaf, 1.0)
 
 
-def test_under_accumulation_metadata_combine_with_max_until_the_optimizer_steps():
+def test_under_accumulation_metadata_combine_with_max_until_the_optimizer_steps(
+    backend_form,
+):
     params = variables()
     tx = lossscale.wrap(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), None)
     state = tx.init(params)

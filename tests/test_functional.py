@@ -269,3 +269,21 @@ def test_all_finite_ignores_integer_and_none_leaves():
 def test_all_finite_returns_a_boolean_scalar():
     out = lossscale.all_finite({"a": jnp.ones(3)})
     assert out.shape == () and out.dtype == jnp.bool_
+
+
+# -- the arguments in the wrong order ------------------------------------------------
+
+
+def test_scale_loss_with_its_arguments_swapped_says_so():
+    state = lossscale.StaticLossScale(4.0)
+    with pytest.raises(TypeError, match=r"`scale_loss\(loss, loss_scale\)`.*Swap"):
+        lossscale.scale_loss(state, jnp.float32(1.0))
+    opt_state = lossscale.wrap(optax.sgd(0.1), 4.0).init(jnp.ones(2))
+    with pytest.raises(TypeError, match=r"at \.loss_scale"):
+        lossscale.scale_loss(opt_state, jnp.float32(1.0))
+
+
+def test_unscale_grads_with_its_arguments_swapped_says_so():
+    opt_state = lossscale.wrap(optax.sgd(0.1), 4.0).init({"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match=r"`unscale_grads\(grads, loss_scale\)`"):
+        lossscale.unscale_grads(opt_state, {"w": jnp.ones(2)})

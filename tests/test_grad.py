@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import lossscale
 
@@ -110,8 +111,6 @@ def test_bad_calls_name_the_problem():
     one = lossscale.NoOpLossScale()
     with pytest.raises(ValueError, match="1 positional"):
         lossscale.value_and_grad(loss_fn, argnums=1)(one, W)
-    with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`"):
-        lossscale.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(one, W)
     with pytest.raises(ValueError, match="scalar"):
         lossscale.value_and_grad(lambda w: w)(one, W)
     with pytest.raises(TypeError, match="loss-scale state"):
@@ -154,3 +153,77 @@ def test_axis_name_averages_the_gradients_and_every_replica_decides_alike():
     np.testing.assert_array_equal(
         jax.pmap(local_step, axis_name="i", in_axes=(None, 0))(w, x_bad), [0, 1]
     )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_has_aux_true_with_a_loss_alone_says_to_drop_has_aux(jit):
+    grad_fn = lossscale.value_and_grad(lambda w: jnp.sum(w), has_aux=True)
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    with pytest.raises(TypeError, match=r"pair `\(loss, aux\)`") as info:
+        grad_fn(lossscale.NoOpLossScale(), W)
+    assert "returned a float32 scalar" in str(info.value)
+    assert "pass `has_aux=False`" in str(info.value)
+
+
+def test_has_aux_false_with_a_pair_says_to_pass_has_aux():
+    grad_fn = lossscale.value_and_grad(loss_fn)  # returns (loss, aux)
+    with pytest.raises(TypeError, match=r"returned a tuple of 2") as info:
+        grad_fn(lossscale.NoOpLossScale(), W, B, X)
+    assert "pass `has_aux=True`" in str(info.value)
+
+
+@pytest.mark.parametrize("axis_name", ["i", ("i", "j")])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_axis_name_outside_a_mapped_function_says_what_to_do(axis_name, jit):
+    grad_fn = lossscale.value_and_grad(lambda w: jnp.sum(w), axis_name=axis_name)
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    with pytest.raises(ValueError, match="binds the axis 'i'") as info:
+        grad_fn(lossscale.NoOpLossScale(), W)
+    assert "jax.pmap(train_step, axis_name='i')" in str(info.value)
+    assert "drop `axis_name`" in str(info.value)
+
+
+def test_an_axis_bound_by_vmap_but_not_its_partner_is_named():
+    grad_fn = lossscale.value_and_grad(lambda w: jnp.sum(w), axis_name=("i", "j"))
+    with pytest.raises(ValueError, match="binds the axis 'j'"):
+        jax.vmap(grad_fn, in_axes=(None, 0), axis_name="i")(
+            lossscale.NoOpLossScale(), jnp.stack([W, W])
+        )
+
+
+def test_axis_name_works_under_vmap_and_shard_map(mesh):
+    # The check must not refuse an axis that is bound: the mean over the axis, as
+    # numpy computes it, on every replica.
+    x = np.arange(16.0, dtype=np.float32).reshape(8, 2)
+    w = jnp.array([1.0, -2.0])
+    scale = 4.0
+    expected = scale * x.mean(axis=0)
+    grad_fn = lossscale.value_and_grad(lambda w, x: jnp.sum(w * x), axis_name="data")
+    loss_scale = lossscale.StaticLossScale(scale)
+    _, vmapped = jax.vmap(grad_fn, in_axes=(None, None, 0), axis_name="data")(
+        loss_scale, w, jnp.asarray(x)
+    )
+
+    def local(w, x):
+        # A replica of `w` per device, as `pmap` has: a `w` closed over would be
+        # invariant over the mesh, and its gradient summed by JAX itself.
+        return grad_fn(loss_scale, w[0], x[0])[1][None]
+
+    sharded = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    )(jnp.stack([w] * 8), jnp.asarray(x))
+    for got in (vmapped, sharded):
+        for row in np.asarray(got):
+            np.testing.assert_allclose(row, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("first", ["params", "missing"])
+def test_the_loss_scale_left_out_or_misplaced_says_what_comes_first(first):
+    grad_fn = lossscale.value_and_grad(lambda w, x: jnp.sum(w * x))
+    tx = lossscale.wrap(optax.sgd(0.1))
+    with pytest.raises((TypeError, ValueError)) as info:
+        if first == "params":  # params where the loss scale goes, state last
+            grad_fn({"w": W}, X, tx.init({"w": W}))
+        else:
+            grad_fn(W, X)
+    assert "`grad_fn(loss_scale, *args, **kwargs)`" in str(info.value)

@@ -4,6 +4,7 @@ rule against a pure-Python model, settings as static data, bad settings."""
 import copy
 import json
 import pickle
+import re
 
 import chex
 import hypothesis.strategies as st
@@ -379,6 +380,8 @@ def test_bad_dynamic_settings_raise_naming_the_argument(kwargs, error, message):
         (-2.0, ValueError),
         (float("inf"), ValueError),
         (float("nan"), ValueError),
+        (jnp.float32(jnp.nan), ValueError),
+        (np.array(0.0), ValueError),
         (1e40, ValueError),
         ("8", TypeError),
         (None, TypeError),
@@ -398,6 +401,96 @@ def test_numpy_and_jax_scalars_are_accepted_as_settings():
     )
     assert (state.growth_interval, state.min_scale) == (5, 0.5)
     assert isinstance(state.growth_interval, int)
+
+
+def python_float_error(value, **settings):
+    """The error `DynamicLossScale` raises for the Python float `value`."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        lossscale.DynamicLossScale(scale=value, **settings)
+    return type(info.value), str(info.value)
+
+
+ARRAY_TYPES = {
+    "jax": lambda v: jnp.asarray(v, jnp.float32),
+    # Converted by XLA: numpy would warn when 1e9 overflows float16.
+    "jax float16": lambda v: jnp.asarray(v, jnp.float32).astype(jnp.float16),
+    "numpy 0-d": lambda v: np.asarray(v, np.float64),
+    "numpy scalar": np.float32,
+}
+
+
+@pytest.mark.parametrize("make", ARRAY_TYPES.values(), ids=ARRAY_TYPES.keys())
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -1.0, float("inf"), 1e9, 0.5])
+def test_a_concrete_array_scale_is_refused_as_the_same_python_float(make, value):
+    # Issue 33: arrays skipped the check, so NaN, 0 or 1e9 made a state.
+    # (float16 rounds 1e9 to inf: refused as positive_float32 refuses inf.)
+    expected = python_float_error(float(np.asarray(make(value), np.float64)))
+    with pytest.raises(expected[0]) as info:
+        lossscale.DynamicLossScale(scale=make(value))
+    assert str(info.value) == expected[1]
+
+
+def test_a_stacked_array_scale_is_checked_element_by_element():
+    counters = {
+        name: jnp.zeros(8, jnp.int32)
+        for name in ("skipped_steps", "consecutive_skips", "forward_overflows")
+    }
+    good = lossscale.DynamicLossScale(scale=jnp.full(8, 2.0**10), **counters)
+    assert good.scale.shape == (8,)
+    for stacked in (jnp.array([4.0, jnp.nan]), np.array([4.0, 0.0])):
+        with pytest.raises(ValueError, match="`scale` must be positive and finite"):
+            lossscale.DynamicLossScale(scale=stacked)
+    with pytest.raises(ValueError, match=r"within \[min_scale, max_scale\]"):
+        lossscale.DynamicLossScale(scale=jnp.array([4.0, 1e9]))
+    with pytest.raises(TypeError, match="`scale` must be a real number.*bool"):
+        lossscale.DynamicLossScale(scale=jnp.array([True, True]))
+
+
+def test_a_traced_scale_is_left_to_the_step():
+    # It cannot be read while tracing; `update` and `metrics` report what it does.
+    @jax.jit
+    def build(scale):
+        return lossscale.DynamicLossScale(scale=scale).scale
+
+    assert np.isnan(build(jnp.float32(jnp.nan)))
+    assert float(build(jnp.float32(8.0))) == 8.0
+
+
+def test_a_misspelt_argument_names_the_field_it_resembles():
+    with pytest.raises(
+        TypeError, match="no field `growth_intervall`.*`growth_interval`"
+    ):
+        lossscale.DynamicLossScale(growth_intervall=10)
+    with pytest.raises(TypeError, match="`scale` is a property `NoOpLossScale`"):
+        lossscale.NoOpLossScale(scale=2.0)
+
+
+def test_too_many_positional_values_say_which_one_a_kind_takes():
+    # Python's own message counts `self`: "takes 1 positional argument but 2...".
+    with pytest.raises(TypeError, match="`NoOpLossScale` takes no argument by pos"):
+        lossscale.NoOpLossScale(1.0)
+    with pytest.raises(TypeError, match="`StaticLossScale` takes `value` by position"):
+        lossscale.StaticLossScale(8.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (
+            lambda: lossscale.wrap(optax.sgd(0.1), lossscale.DynamicLossScale),
+            TypeError,
+            r"the class `DynamicLossScale`; pass a state, an instance",
+        ),
+        (
+            lambda: lossscale.wrap(optax.sgd(0.1), "static"),
+            ValueError,
+            r"a fixed scale is a number",
+        ),
+    ],
+)
+def test_a_spec_that_is_nearly_right_says_what_to_write(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
 
 
 def test_traced_setting_gets_a_clear_error():
@@ -448,3 +541,20 @@ def test_numbers_beyond_any_float_are_a_value_error_naming_the_setting(build, na
     with pytest.raises(ValueError, match=f"`{name}` must be positive and finite") as e:
         build()
     assert "chars)" in str(e.value) and len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("grads_finite", "loss_finite", "error", "hint"),
+    [
+        ({"w": jnp.ones(2)}, True, TypeError, "lossscale.all_finite(grads)"),
+        (jnp.isfinite(jnp.ones(3)), True, ValueError, "lossscale.all_finite(grads)"),
+        (True, jnp.float32(0.5), TypeError, "jnp.isfinite(loss)"),
+        (True, 0.5, TypeError, "jnp.isfinite(loss)"),
+    ],
+    ids=["grads", "isfinite_per_element", "loss_array", "loss_float"],
+)
+def test_update_given_gradients_or_a_loss_says_how_to_compute_the_flag(
+    grads_finite, loss_finite, error, hint
+):
+    with pytest.raises(error, match=re.escape(hint)):
+        lossscale.update(lossscale.DynamicLossScale(), grads_finite, loss_finite)

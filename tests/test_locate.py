@@ -204,6 +204,17 @@ def test_bad_settings_are_refused(kwargs, error, match):
         lossscale.locate_overflow(two_leaf_loss, PARAMS, X_FINE, Y_FINE, **kwargs)
 
 
+def test_has_aux_that_does_not_match_the_loss_function_says_how_to_set_it():
+    with pytest.raises(TypeError, match="pass `has_aux=False`"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=SCALE, has_aux=True
+        )
+    with pytest.raises(TypeError, match="pass `has_aux=True`"):
+        lossscale.locate_overflow(
+            lambda *a: (two_leaf_loss(*a), {}), PARAMS, X_FINE, Y_FINE, loss_scale=SCALE
+        )
+
+
 def test_bad_functions_and_params_are_refused():
     with pytest.raises(TypeError, match="`loss_fn` must be callable"):
         lossscale.locate_overflow("loss", PARAMS, loss_scale=SCALE)
@@ -213,6 +224,202 @@ def test_bad_functions_and_params_are_refused():
         lossscale.locate_overflow(lambda p: p["a"], PARAMS, loss_scale=SCALE)
     with pytest.raises(TypeError, match=r"`loss_fn\(params, ...\)`"):
         lossscale.locate_overflow(lambda p: jnp.int32(1), PARAMS, loss_scale=SCALE)
+
+
+# -- where the blame goes: the pass, the op under a call, what reaches the result ----
+
+
+def test_a_backward_overflow_inside_a_jitted_loss_is_in_the_backward_pass():
+    # The transposed `jit` call's equations have a name stack of their own, with no
+    # "transpose" in it: the pass comes from the call around them.
+    y = jnp.full(3, 100.0)
+    plain = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, y, loss_scale=SCALE
+    )
+    jitted = lossscale.locate_overflow(
+        jax.jit(two_leaf_loss), PARAMS, X_FINE, y, loss_scale=SCALE
+    )
+    assert (jitted.kind, jitted.op, jitted.backward_pass) == ("backward", "mul", True)
+    assert jitted == plain, f"{jitted}\n{plain}"
+
+
+def checkpointed_loss(params, x, y):
+    return jax.checkpoint(two_leaf_loss)(params, x, y)
+
+
+@pytest.mark.parametrize(
+    "x, y, expected",
+    [
+        (X_FINE.at[1].set(20.0), Y_FINE, ("forward", "exp", False, "exp-line")),
+        (X_FINE, jnp.full(3, 100.0), ("backward", "mul", True, "mul-line")),
+    ],
+    ids=["forward", "backward"],
+)
+def test_inside_jax_checkpoint_the_op_under_it_is_named(x, y, expected):
+    report = lossscale.locate_overflow(
+        checkpointed_loss, PARAMS, x, y, loss_scale=SCALE
+    )
+    kind, op, backward_pass, marker = expected
+    assert (report.kind, report.op, report.backward_pass) == (kind, op, backward_pass)
+    assert report.source == line_of(marker), str(report)
+    assert report.leaves == reference_bad_leaves(two_leaf_loss, PARAMS, x, y)
+
+
+class Transpose(nn.Module):
+    """A linen module whose name, "transpose", is also a name-stack scope."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.exp(x.astype(F16))  # transpose-module-line
+
+
+def scoped_loss(params, x, y):
+    with jax.named_scope("transpose"):
+        return two_leaf_loss(params, x, y)
+
+
+def module_loss(params, x, y):
+    h = Transpose(name="transpose").apply({}, x * params["a"])
+    return jnp.sum(h.astype(jnp.float32)) + jnp.sum(y * params["b"])
+
+
+@pytest.mark.parametrize(
+    "loss_fn, marker",
+    [(scoped_loss, "exp-line"), (module_loss, "transpose-module-line")],
+    ids=["named_scope", "linen_module"],
+)
+def test_a_forward_op_under_a_scope_named_transpose_is_in_the_forward_pass(
+    loss_fn, marker
+):
+    x = X_FINE.at[1].set(20.0)
+    report = lossscale.locate_overflow(loss_fn, PARAMS, x, Y_FINE, loss_scale=SCALE)
+    assert (report.kind, report.op, report.backward_pass) == ("forward", "exp", False)
+    assert report.source == line_of(marker), str(report)
+    assert "in the forward pass" in str(report)
+
+
+def test_an_inf_in_an_aux_metric_is_not_blamed_for_a_gradient_overflow():
+    def loss_with_aux(params, x, y):
+        log_of_zero = jnp.log(jnp.zeros(()))  # -inf: a metric, not the loss
+        return two_leaf_loss(params, x, y), {"log_of_zero": log_of_zero}
+
+    y = jnp.full(3, 100.0)
+    report = lossscale.locate_overflow(
+        loss_with_aux, PARAMS, X_FINE, y, loss_scale=SCALE, has_aux=True
+    )
+    # The reference: the same step without the metric.
+    plain = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, y, loss_scale=SCALE
+    )
+    assert (report.kind, report.op, report.source) == ("backward", "mul", plain.source)
+    assert report == plain, f"{report}\n{plain}"
+
+
+def test_an_inf_that_is_masked_away_is_not_blamed_for_a_later_overflow():
+    def loss_fn(params, x, y):
+        # A fully masked row: its -inf never reaches the loss, `where` drops it.
+        scores = jnp.where(jnp.arange(3) < 2, x * params["a"], -jnp.inf)
+        kept = jnp.where(jnp.isfinite(scores), scores, 0.0)
+        return jnp.sum(kept) + two_leaf_loss(params, x, y)
+
+    x = X_FINE.at[1].set(20.0)
+    report = lossscale.locate_overflow(loss_fn, PARAMS, x, Y_FINE, loss_scale=SCALE)
+    assert (report.kind, report.op, report.source) == (
+        "forward",
+        "exp",
+        line_of("exp-line"),
+    ), str(report)
+
+
+# -- a non-finite input is named as such ---------------------------------------------
+
+
+def batch_loss(params, batch, *, weight):
+    return two_leaf_loss(params, batch["x"], batch["y"]) * weight
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize(
+    "where, expected",
+    [
+        ("x", "batch['x']"),
+        ("y", "batch['y']"),
+        ("weight", "weight"),
+        ("param", "params['b']"),
+    ],
+)
+def test_a_non_finite_input_is_named_not_blamed_on_an_op(where, expected, bad):
+    batch = {"x": X_FINE, "y": Y_FINE}
+    params, weight = dict(PARAMS), jnp.float32(1.0)
+    if where in batch:
+        batch[where] = batch[where].at[2].set(bad)
+    elif where == "weight":
+        weight = jnp.float32(bad)
+    else:
+        params["b"] = params["b"].at[0].set(bad)
+    report = lossscale.locate_overflow(
+        batch_loss, params, batch, weight=weight, loss_scale=SCALE
+    )
+    assert report.nonfinite_input == expected, str(report)
+    assert report.op is None and report.source is None
+    # The loss is as numpy computes it from the same inputs: not finite.
+    reference = batch_loss(params, batch, weight=weight)
+    assert report.kind == "forward" and not np.isfinite(float(reference))
+    text = str(report)
+    assert f"The input is not finite: `{expected}`" in text
+    assert "compute that op in float32" not in text
+
+
+def test_a_non_finite_positional_input_is_named_by_its_parameter_name():
+    x = X_FINE.at[0].set(np.nan)
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
+    )
+    assert report.nonfinite_input == "x", str(report)
+    unnamed = lossscale.locate_overflow(
+        lambda params, *batch: two_leaf_loss(params, *batch),
+        PARAMS,
+        X_FINE,
+        Y_FINE.at[0].set(np.inf),
+        loss_scale=SCALE,
+    )
+    assert unnamed.nonfinite_input == "args[1]", str(unnamed)
+
+
+def test_an_overflow_from_finite_inputs_names_no_input():
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE.at[1].set(20.0), Y_FINE, loss_scale=SCALE
+    )
+    assert report.nonfinite_input is None and report.op == "exp"
+
+
+def test_inside_jit_it_says_to_call_it_on_the_host():
+    def step(x):
+        return lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
+        ).loss
+
+    with pytest.raises(TypeError, match="runs on the host, outside the train step"):
+        jax.jit(step)(X_FINE)
+
+
+def test_arguments_that_do_not_fit_loss_fn_are_named():
+    with pytest.raises(TypeError, match=r"`loss_fn\(params, x, y\)` cannot take"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, (X_FINE, Y_FINE), loss_scale=SCALE
+        )
+    with pytest.raises(TypeError, match="keywords \\['z'\\]"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, z=1, loss_scale=SCALE
+        )
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", None])
+def test_a_string_or_none_as_the_scale_says_what_it_takes(loss_scale):
+    with pytest.raises(TypeError, match="the scale to evaluate at"):
+        lossscale.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=loss_scale
+        )
 
 
 def test_an_overflow_inside_a_library_jit_is_named_at_the_users_line():

@@ -47,3 +47,11 @@ def test_the_state_is_found_inside_chains_and_multisteps(finder):
     opt_state = tx.init(GRADS)
     assert lossscale.get_loss_scale(opt_state).value == 4.0
     finder(opt_state)  # no error
+
+
+@pytest.mark.parametrize("finder", FINDERS.values(), ids=FINDERS)
+def test_the_optimizer_itself_is_refused_with_what_to_pass(finder):
+    tx = lossscale.wrap(optax.sgd(0.1))
+    with pytest.raises(TypeError, match="optax transformation") as info:
+        finder(tx)
+    assert "tx.init(params)" in str(info.value)

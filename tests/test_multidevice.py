@@ -56,7 +56,9 @@ def assert_identical_everywhere(tree):
 
 
 @pytest.mark.parametrize("params_spec", [P(), P("data")], ids=["dp", "fsdp"])
-def test_sharded_jit_skips_globally_when_one_shard_overflows(mesh, params_spec):
+def test_sharded_jit_skips_globally_when_one_shard_overflows(
+    mesh, params_spec, backend_form
+):
     tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale(2.0**10))
 
     def place(tree, spec):
@@ -129,7 +131,9 @@ def test_sharded_wrap_adds_one_small_collective(mesh):
 
 @pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
 @pytest.mark.parametrize("axis_name", ["data", None])
-def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name, path):
+def test_shard_map_with_axis_name_makes_every_device_skip(
+    mesh, axis_name, path, backend_form
+):
     tx = lossscale.wrap(optax.sgd(0.1), 64.0, axis_name=axis_name)
     params = stacked(init_params())
     opt_state = stacked(tx.init(init_params()))
@@ -174,7 +178,7 @@ def test_shard_map_with_axis_name_makes_every_device_skip(mesh, axis_name, path)
             np.testing.assert_array_equal(new, old)
 
 
-def test_pmap_with_axis_name_keeps_identical_dynamic_states():
+def test_pmap_with_axis_name_keeps_identical_dynamic_states(backend_form):
     tx = lossscale.wrap(
         optax.adam(1e-2), lossscale.DynamicLossScale(8.0), axis_name="i"
     )
@@ -218,3 +222,26 @@ def test_bad_axis_names_are_refused(axis_name):
         lossscale.wrap(optax.sgd(0.1), axis_name=axis_name)
     with pytest.raises(TypeError, match="axis_name"):
         lossscale.all_finite(jnp.ones(2), axis_name=axis_name)
+
+
+def test_all_finite_outside_the_mapped_function_says_what_to_do():
+    with pytest.raises(ValueError, match="binds the axis 'data'") as info:
+        jax.jit(lambda x: lossscale.all_finite(x, axis_name="data"))(jnp.ones(2))
+    assert "all_finite" in str(info.value) and "drop `axis_name`" in str(info.value)
+
+
+@pytest.mark.parametrize("path", ["wrap", "apply_gradients"])
+def test_the_step_outside_the_mapped_function_says_what_to_do(path):
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.full(3, 2.0)}
+    tx = optax.sgd(0.1)
+    if path == "wrap":
+        wrapped = lossscale.wrap(tx, 2.0, axis_name="data")
+        call = lambda: wrapped.update(grads, wrapped.init(params), params)  # noqa: E731
+    else:
+        call = lambda: lossscale.apply_gradients(  # noqa: E731
+            tx, grads=grads, params=params, opt_state=tx.init(params),
+            loss_scale=lossscale.StaticLossScale(2.0), axis_name="data",
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"binds the axis 'data'.*jax.pmap"):
+        jax.jit(call)()

@@ -1,6 +1,8 @@
 """The notebooks run from top to bottom (their own asserts check the results)."""
 
+import os
 import pathlib
+import re
 
 import pytest
 
@@ -27,7 +29,15 @@ def test_notebook_is_stored_without_outputs(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.name)
-def test_notebook_runs(path, tmp_path):
+def test_notebook_runs(path, tmp_path, monkeypatch):
+    # The kernel runs as a reader's would: without the eight simulated host devices
+    # that conftest.py gives the tests, which change XLA:CPU's results (a float32
+    # run of flax_float16 ended at 0.825 accuracy with one, 0.767 with eight). The
+    # notebooks' own checks hold either way: flax_float16 compares means over
+    # seeds, measured with both.
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    monkeypatch.setenv("XLA_FLAGS", flags.strip())
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         notebook,

@@ -117,6 +117,84 @@ def test_grouped_clip_norm_agrees_with_optax(grads):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=0)
 
 
+# The forms lowered for XLA:GPU (every leaf stacked by shape) and for the TPU (a
+# reduction per leaf, scalars combined) run here on the CPU, against numpy.
+FORMS = {"cpu": numerics._grouped, "gpu": numerics._partials, "tpu": numerics._each}
+
+
+def numpy_first_nonfinite(leaves):
+    for position, leaf in enumerate(leaves):
+        if not np.isfinite(np.asarray(leaf).astype(np.complex128)).all():
+            return position
+    return -1
+
+
+@settings(max_examples=20)
+@given(small_leaf_trees(), st.sampled_from(sorted(FORMS)), st.booleans(), st.booleans())
+def test_every_backend_form_finds_what_numpy_finds(tree, form, square, complex_leaf):
+    leaves = jax.tree.leaves(tree)
+    if complex_leaf:
+        leaves.insert(1, jnp.asarray(np.array([1 + 2j, 3 - 1j], np.complex64)))
+        if numpy_all_finite(tree):
+            leaves[1] = leaves[1].at[1].set(complex(1, np.inf))
+    positions = tuple(range(len(leaves)))
+    total, first = jax.jit(
+        lambda *arrays: FORMS[form](list(arrays), positions, square)
+    )(*leaves)
+    expected_first = numpy_first_nonfinite(leaves)
+    assert int(first) == expected_first, (form, int(first), expected_first)
+    assert bool(np.isfinite(total)) == (expected_first == -1)
+    if square and expected_first == -1:
+        wide = [np.asarray(leaf).astype(np.complex128) for leaf in leaves]
+        expected = sum(float(np.sum(np.abs(x) ** 2)) for x in wide)
+        # float32 sums of n squares: within n float32 roundings of the total.
+        count = sum(x.size for x in wide)
+        rtol = count * float(np.finfo(np.float32).eps)
+        np.testing.assert_allclose(float(total), expected, rtol=rtol)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_every_backend_form_on_large_leaves_of_every_rank(form):
+    # Large leaves go through each form's other paths (XLA:GPU's row probes of a
+    # 1-D leaf cut into rows, of trailing axes, of a leaf with tiny rows).
+    rng = np.random.default_rng(0)
+    shapes = [(200_000,), (7919 * 2,), (64, 300), (3, 4, 500), (8192, 1), (5000,)]
+    leaves = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    leaves.insert(3, np.ones((100,), np.float16))
+    positions = tuple(range(len(leaves)))
+    run = jax.jit(lambda *a, square: FORMS[form](list(a), positions, square),
+                  static_argnames="square")  # fmt: skip
+    expected = sum(float(np.sum(np.square(x, dtype=np.float64))) for x in leaves)
+    total, first = run(*leaves, square=True)
+    count = sum(x.size for x in leaves)
+    np.testing.assert_allclose(
+        float(total), expected, rtol=count * float(np.finfo(np.float32).eps)
+    )
+    assert int(first) == -1
+    for bad, value in [(0, np.inf), (2, np.nan), (5, -np.inf), (6, np.nan)]:
+        broken = [x.copy() for x in leaves]
+        broken[bad].reshape(-1)[broken[bad].size // 2] = value
+        for square in (False, True):
+            total, first = run(*broken, square=square)
+            assert (int(first), bool(np.isfinite(total))) == (bad, False), (
+                form, square, bad, int(first))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [np.complex64])
+def test_clip_norm_of_complex_gradients_is_the_norm_of_their_moduli(dtype):
+    # optax's `clip_by_global_norm` sums `|x|**2`; `x * x` would be NaN or wrong.
+    grads = {"w": jnp.asarray(np.array([3 + 4j, 1j, -2], dtype))}
+    params = jax.tree.map(jnp.zeros_like, grads)
+    wrapped = lossscale.wrap(optax.sgd(1.0), lossscale.NoOpLossScale(), clip_norm=1.0)
+    state = wrapped.init(params)
+    updates, state = jax.jit(wrapped.update)(grads, state, params)
+    reference = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    expected, _ = reference.update(grads, reference.init(params), params)
+    assert int(lossscale.metrics(state)["skipped_steps"]) == 0
+    # One float32 rounding of the norm, a few of the factor and the product.
+    np.testing.assert_allclose(updates["w"], expected["w"], rtol=4e-7 * 4)
+
+
 def test_reductions_of_many_small_leaves_do_not_grow_with_their_number():
     def reductions(count):
         tree = [jnp.ones((64, 16), jnp.bfloat16) for _ in range(count)]

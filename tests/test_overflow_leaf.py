@@ -19,9 +19,11 @@ from lossscale._src import numerics
 
 
 def reference_first_nonfinite(leaves):
-    """The pure-numpy answer: the first leaf (None counted) with a non-finite value."""
-    for position, leaf in enumerate(leaves):
-        if leaf is not None and not np.isfinite(np.asarray(leaf, np.float64)).all():
+    """The pure-numpy answer: the position in `jax.tree.leaves` (None leaves
+    dropped, as there) of the first leaf with a non-finite value."""
+    present = [leaf for leaf in leaves if leaf is not None]
+    for position, leaf in enumerate(present):
+        if not np.isfinite(np.asarray(leaf, np.float64)).all():
             return position
     return -1
 
@@ -55,7 +57,7 @@ def test_the_index_is_the_first_non_finite_leaf_as_numpy_finds_it(leaves):
     grads = {f"g{i:02d}": leaf for i, leaf in enumerate(leaves)}
 
     def first(grads, state):
-        return numerics.checked_after_unscaling(grads, state).first_nonfinite()
+        return numerics.check(grads, state).first
 
     index = jax.jit(first)(grads, lossscale.StaticLossScale(1.0))
     assert int(index) == reference_first_nonfinite(leaves)
@@ -232,7 +234,65 @@ def test_leaf_path_refuses_what_names_no_leaf(index, error):
         lossscale.leaf_path(params, index)
 
 
-def test_leaf_path_counts_none_leaves_as_the_step_does():
-    params = {"a": jnp.ones(2), "act": None, "b": jnp.ones(2)}
-    assert lossscale.leaf_path(params, 2) == "['b']"
-    assert lossscale.leaf_path(params, jnp.int32(-1)) is None
+@pytest.mark.parametrize("index", [True, False, np.bool_(True), jnp.array(True)])
+def test_leaf_path_refuses_a_bool(index):
+    params, _ = params_and_grads()
+    with pytest.raises(TypeError, match="bools are not indices"):
+        lossscale.leaf_path(params, index)
+
+
+def test_leaf_path_under_jit_says_to_call_it_on_the_host():
+    params, _ = params_and_grads()
+    with pytest.raises(TypeError, match="runs on the host") as info:
+        jax.jit(lambda i: lossscale.leaf_path(params, i))(jnp.int32(1))
+    assert "overflow_leaf" in str(info.value)
+
+
+def test_leaf_path_of_an_index_per_device_says_to_take_one():
+    params, _ = params_and_grads()
+    with pytest.raises(TypeError, match=r"pass `index\[0\]`"):
+        lossscale.leaf_path(params, jnp.full(8, 3, jnp.int32))
+
+
+def test_leaf_path_with_swapped_arguments_says_so():
+    params, _ = params_and_grads()
+    with pytest.raises(TypeError, match=r"`leaf_path\(params, index\)`"):
+        lossscale.leaf_path(2, params)
+
+
+def reference_gradient_paths(grads):
+    """`jax.tree.leaves(grads)`'s paths, as the docs define the index: no None."""
+    return [
+        jax.tree_util.keystr(path)
+        for path, _ in jax.tree_util.tree_leaves_with_path(grads)
+    ]
+
+
+def test_leaf_path_indexes_the_gradient_leaves_none_dropped():
+    grads = {"a": jnp.ones(2), "act": None, "b": jnp.ones(2), "c": (None, jnp.ones(1))}
+    expected = reference_gradient_paths(grads)
+    assert expected == ["['a']", "['b']", "['c'][1]"]
+    got = [lossscale.leaf_path(grads, i) for i in range(len(expected))]
+    assert got == expected
+    assert lossscale.leaf_path(grads, jnp.int32(-1)) is None
+    with pytest.raises(ValueError, match="`index` is 3"):
+        lossscale.leaf_path(grads, 3)
+
+
+def test_leaf_path_of_an_equinox_model_matches_its_filtered_gradients():
+    import equinox as eqx
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = eqx.nn.Sequential(
+        [
+            eqx.nn.Linear(2, 2, key=keys[0]),
+            eqx.nn.Lambda(jax.nn.relu),  # a function leaf between the layers
+            eqx.nn.Linear(2, 2, key=keys[1]),
+        ]
+    )
+    grads = eqx.filter_grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones(2))
+    expected = reference_gradient_paths(grads)
+    assert len(expected) == 4
+    for index, path in enumerate(expected):
+        assert lossscale.leaf_path(model, index) == path
+        assert lossscale.leaf_path(grads, index) == path

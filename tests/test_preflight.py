@@ -490,6 +490,17 @@ def test_what_cannot_be_checked_is_refused_by_name(kwargs, error, match):
         lossscale.preflight(loss_fn, params, jnp.ones(2), **arguments)
 
 
+def test_arguments_or_has_aux_that_do_not_fit_loss_fn_say_what_to_pass():
+    def loss_fn(p, x):
+        return jnp.sum(p * x)
+
+    bound = r"`loss_fn\(p, x\)` cannot take .* `preflight\(loss_fn, params, x, y\)`"
+    with pytest.raises(TypeError, match=bound):
+        lossscale.preflight(loss_fn, jnp.ones(2), jnp.ones(2), jnp.ones(2))
+    with pytest.raises(TypeError, match="pass `has_aux=False`"):
+        lossscale.preflight(loss_fn, jnp.ones(2), jnp.ones(2), has_aux=True)
+
+
 def test_a_traced_call_a_non_scalar_loss_and_a_collective_are_refused():
     def traced(w):
         return lossscale.preflight(lambda p: jnp.sum(p), w).scale

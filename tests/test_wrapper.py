@@ -52,7 +52,9 @@ def test_keras_documentation_example():
 # -- skipped and applied steps are exact -------------------------------------------
 
 
-def test_skipped_step_changes_nothing_but_the_loss_scale(assert_tree_equal):
+def test_skipped_step_changes_nothing_but_the_loss_scale(
+    assert_tree_equal, backend_form
+):
     tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale(scale=8.0))
     step = make_step(tx)
     params, opt_state = params_tree(), tx.init(params_tree())
@@ -71,7 +73,9 @@ def test_skipped_step_changes_nothing_but_the_loss_scale(assert_tree_equal):
     assert int(opt_state.inner_state[0].count) == 1  # Adam's count did not move
 
 
-def test_skipped_updates_are_negative_zeros_that_keep_every_parameter_bitwise():
+def test_skipped_updates_are_negative_zeros_that_keep_every_parameter_bitwise(
+    backend_form,
+):
     # +0.0 updates would turn a -0.0 parameter into +0.0.
     params = {"w": jnp.array([-0.0, 0.0, 1.5, -2.0]), "h": jnp.float16(-0.0)}
     tx = lossscale.wrap(optax.adam(1e-2))
@@ -143,6 +147,19 @@ REFERENCE_UPDATE = jax.jit(inner_optimizer().update)
 )
 def test_wrapped_run_equals_inner_run_on_the_applied_steps_only(pattern):
     """Against the plain inner optimizer fed only the applied steps, and the rule."""
+    run_against_the_inner_optimizer(pattern, EXACT_STEP)
+
+
+def test_each_backend_form_runs_as_the_inner_optimizer(backend_form):
+    # A step traced afresh under the form (EXACT_STEP is compiled once, for the CPU).
+    step = make_step(
+        lossscale.wrap(inner_optimizer(), lossscale.DynamicLossScale(**EXACT_SETTINGS))
+    )
+    pattern = ["finite", "inf", "finite", "nan", "big", "finite", "finite", "finite"]
+    run_against_the_inner_optimizer(pattern, step)
+
+
+def run_against_the_inner_optimizer(pattern, step):
     params = ref_params = params_tree()
     opt_state, ref_state = EXACT_TX.init(params), inner_optimizer().init(params)
     rule = ReferenceDynamicRule(**EXACT_SETTINGS)
@@ -153,7 +170,7 @@ def test_wrapped_run_equals_inner_run_on_the_applied_steps_only(pattern):
             scaled["b"] = scaled["b"].at[0].set(jnp.inf)
         elif kind != "finite":
             scaled["w"] = scaled["w"].at[0, 0].set(np.inf if kind == "inf" else np.nan)
-        params, opt_state, _ = EXACT_STEP(params, opt_state, scaled)
+        params, opt_state, _ = step(params, opt_state, scaled)
         if rule.step(kind == "finite"):
             # The reference unscales as TF does: times float32(1 / scale), in numpy.
             inverse = np.float32(1.0) / np.float32(scale)
@@ -328,7 +345,7 @@ def test_float16_gradients_cost_less_than_a_float32_copy_in_xla_bytes():
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**12, 2.0**20])
-def test_clipping_inside_the_wrap_sees_unscaled_gradients(scale):
+def test_clipping_inside_the_wrap_sees_unscaled_gradients(scale, backend_form):
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
     tx = lossscale.wrap(inner, scale)
     params = params_tree()
@@ -417,7 +434,7 @@ def test_loss_scale_as_an_injected_hyperparameter_must_be_static():
         jax.jit(traced.update)(grads_like(params, 0), traced.init(params), params)
 
 
-def test_schedule_does_not_advance_on_skipped_steps():
+def test_schedule_does_not_advance_on_skipped_steps(backend_form):
     schedule = optax.piecewise_constant_schedule(1.0, {2: 0.1})
     tx = lossscale.wrap(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
     params = params_tree()
@@ -463,7 +480,7 @@ def mixed_params():
 @pytest.mark.parametrize(
     "make_inner", [lambda: optax.adam(1e-2), lambda: optax.sgd(0.5)]
 )
-def test_float16_bfloat16_and_mixed_leaves(make_inner):
+def test_float16_bfloat16_and_mixed_leaves(make_inner, backend_form):
     tx, inner = lossscale.wrap(make_inner(), 2.0**10), make_inner()
     params = mixed_params()
 
@@ -504,7 +521,7 @@ def test_float16_bfloat16_and_mixed_leaves(make_inner):
         assert not np.any(np.asarray(zeros[name], np.float32))
 
 
-def test_scale_below_one_skips_when_unscaling_overflows_float16():
+def test_scale_below_one_skips_when_unscaling_overflows_float16(backend_form):
     tx = lossscale.wrap(optax.sgd(1.0), 0.5)
     params = {"w": jnp.zeros(2, jnp.float16)}
     opt_state = tx.init(params)
@@ -609,6 +626,15 @@ def test_wrap_rejects_bad_arguments():
         lossscale.wrap(optax.sgd(0.1), object())
 
 
+def test_wrap_near_misses_say_what_to_write():
+    with pytest.raises(TypeError, match="`adam` is a factory: call it"):
+        lossscale.wrap(optax.adam)
+    with pytest.raises(TypeError, match="the class `StaticLossScale`.*an instance"):
+        lossscale.wrap(optax.sgd(0.1), lossscale.StaticLossScale)
+    with pytest.raises(ValueError, match=r"a fixed scale is a number, e.g. `1024.0`"):
+        lossscale.wrap(optax.sgd(0.1), "static")
+
+
 def test_nested_wraps_are_refused_at_init():
     tx = lossscale.wrap(lossscale.wrap(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="already holds a loss-scale state"):
@@ -628,7 +654,7 @@ def test_update_rejects_integer_gradients_and_mismatched_trees():
         tx.update(grads_like(params, 0), optax.sgd(0.1).init(params), params)
 
 
-def test_inner_update_that_changes_state_dtypes_gets_a_clear_error():
+def test_inner_update_that_changes_state_dtypes_gets_a_clear_error(backend_form):
     def init(params):
         return jnp.zeros([], jnp.float32)
 

@@ -54,7 +54,9 @@ def apply_gradients(
       TypeError: if an argument has the wrong type, a gradient is not floating
         point, or `tx.update` changes the dtype of a state leaf.
       ValueError: if `grads` and `params` differ in tree, `clip_norm` is out of
-        range, or `opt_state` holds a loss-scale state (`tx` is wrapped already).
+        range, `opt_state` holds a loss-scale state (`tx` is wrapped already)
+        or has another tree than `tx.init(params)`, or Flax fp8 variables meet
+        an `optax.MultiSteps` state (use `wrap(optax.MultiSteps(...))`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, lossscale
@@ -69,30 +71,57 @@ def apply_gradients(
     """
     checks.check_transformation(tx, "tx")
     if not isinstance(loss_scale, LossScale):
+        got = (
+            f"the class `{loss_scale.__name__}` (pass an instance)"
+            if isinstance(loss_scale, type)
+            else type(loss_scale).__name__
+        )
         raise TypeError(
             "`loss_scale` must be a loss-scale state (e.g."
             " `lossscale.DynamicLossScale()`), carried from step to step, got"
-            f" {type(loss_scale).__name__}. (A number or 'dynamic' would start"
-            " afresh every step.)"
+            f" {got}. (A number or 'dynamic' would start afresh every step.)"
         )
     options = checks.step_options(axis_name, clip_norm)
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
     trainable = fp8.trainable(params)
-    if trainable is not params and jax.tree.structure(
-        jax.eval_shape(tx.init, trainable)
-    ) != jax.tree.structure(opt_state):
+    expected = jax.eval_shape(tx.init, trainable)
+    if jax.tree.structure(expected) != jax.tree.structure(opt_state):
+        if trainable is not params:
+            raise ValueError(
+                f"`params` holds Flax's fp8 `{fp8.OVERWRITE}` collection, which"
+                " no optimizer sees: build `opt_state` with `tx.init` of the other"
+                " collections, e.g. `tx.init({k: v for k, v in params.items() if"
+                f" k != '{fp8.OVERWRITE}'}})`."
+            )
         raise ValueError(
-            f"`params` holds Flax's fp8 `{fp8.OVERWRITE}` collection, which"
-            " no optimizer sees: build `opt_state` with `tx.init` of the other"
-            " collections, e.g. `tx.init({k: v for k, v in params.items() if k !="
-            f" '{fp8.OVERWRITE}'}})`."
+            "`opt_state` must be `tx.init(params)` (then each step's new one), got"
+            f" a tree that differs from it: {_first_difference(opt_state, expected)}."
+            " Another optimizer's state, or one built for other parameters?"
         )
+    fp8.refuse_accumulation(params, opt_state, "`apply_gradients`")
     if value is not None:
         extra_args["value"] = value
     params, opt_state, loss_scale, _ = apply_or_skip(
         tx, grads, params, opt_state, loss_scale, options, extra_args
     )
     return params, opt_state, loss_scale
+
+
+def _first_difference(got: Any, expected: Any) -> str:
+    # Key paths, not the tree definitions: those of a model fill pages.
+    paths = [
+        [jax.tree_util.keystr(path) for path, _ in jax.tree.leaves_with_path(tree)]
+        for tree in (got, expected)
+    ]
+    for have, want in zip(*paths, strict=False):
+        if have != want:
+            return f"a leaf at `opt_state{have}` where `tx.init(params)` has `{want}`"
+    if len(paths[0]) != len(paths[1]):
+        return f"{len(paths[0])} leaves where `tx.init(params)` has {len(paths[1])}"
+    return (
+        f"the same leaves in other containers ({type(got).__name__} where"
+        f" `tx.init(params)` gives {type(expected).__name__})"
+    )
 
 
 def apply_or_skip(

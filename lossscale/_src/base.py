@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale._src import deprecation
 from lossscale._src import fields
 from lossscale._src import kind_checks
 from lossscale._src.fields import field
@@ -77,8 +78,10 @@ class LossScale:
             raise TypeError(
                 f"`{cls.__name__}` defines `__init__`; a kind is a dataclass whose"
                 " constructor takes its fields: give them defaults, check or derive"
-                " values in `__post_init__`, or add a classmethod constructor."
+                " values in `__post_init__`, or add a classmethod constructor (0.2's"
+                f" `super().__init__(**values)` is gone: {deprecation.MIGRATION})."
             )
+        kind_checks.check_body(cls)
         dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
         kind_checks.check_class(cls, LossScale)
         cls._specs = fields.specs(cls)
@@ -183,7 +186,8 @@ class LossScale:
 
         `LossScale.from_config` builds any registered kind (one defined in your
         code once its module is imported); a subclass's builds that kind only.
-        Array fields take their defaults: a restore overwrites them.
+        Array fields take their defaults: a restore overwrites them. A static
+        scale's config from 0.2 (`"scale"`, now `"value"`) is read, with a warning.
 
         Raises:
           ValueError: if `config` is not a dict from `get_config` of this kind.
@@ -209,6 +213,9 @@ class LossScale:
         )
 
     __hash__ = None  # equal states may hold different buffers
+
+    def __getattr__(self, name: str) -> Any:  # only for names no state has
+        return deprecation.state_attribute(self, name)  # 0.2's `lowest_scale`, ...
 
     def __repr__(self) -> str:
         cls = type(self)

@@ -22,6 +22,7 @@ from lossscale._src import lookup
 from lossscale._src.base import COUNTERS
 from lossscale._src.base import LossScale
 from lossscale._src.registry import build
+from lossscale._src.registry import checked_config
 from lossscale._src.registry import kind_named
 from lossscale._src.registry import known_kinds
 
@@ -40,11 +41,15 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
       loss_scale: the loss scale the code restores into: a state, or a tree
         holding one (an optimizer state, a train state).
 
+    A static scale's config written by 0.2 (`{"kind": "static", "scale": s}`)
+    is read as `{"kind": "static", "value": s}`, with a `DeprecationWarning`.
+
     Raises:
       ValueError: if the kinds or settings differ (the message lists the
         differences and the migration path), `saved` is not a config, or
         `loss_scale` holds no state (or several).
-      TypeError: if `loss_scale` is a spec (a number, "dynamic" or None).
+      TypeError: if `loss_scale` is a spec (a number, "dynamic" or None), or
+        the arguments are swapped.
 
     Examples:
       >>> import lossscale
@@ -56,6 +61,11 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
       ...     print(str(error).splitlines()[0])
       The checkpoint was written with another loss scale than the code's:
     """
+    if isinstance(saved, LossScale) and isinstance(loss_scale, Mapping):
+        raise TypeError(
+            "`check_config(saved, loss_scale)` got a state as `saved` and a dict as"
+            " `loss_scale`: swap them (the saved config comes first)."
+        )
     # Rebuilt, so that the comparison sees the values the constructor keeps
     # (settings in float32, as the rules compute).
     expected = LossScale.from_config(saved).get_config()
@@ -79,7 +89,9 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
     )
 
 
-def checkpoint_0_2_layout(config: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+def checkpoint_0_2_layout(
+    config: dict[str, Any], *, batch_shape: tuple[int, ...] = ()
+) -> dict[str, jax.ShapeDtypeStruct]:
     """The arrays a lossscale 0.2 checkpoint holds for a loss-scale state.
 
     0.2 packed a state's fields into one 1-D array per dtype (`int32_fields`
@@ -89,6 +101,8 @@ def checkpoint_0_2_layout(config: dict[str, Any]) -> dict[str, jax.ShapeDtypeStr
 
     Args:
       config: the state's `get_config()` as 0.2 saved it.
+      batch_shape: the leading shape of a state stacked for `pmap`, e.g.
+        `(jax.local_device_count(),)`; `()` for one state.
 
     Returns:
       `{"int32_fields": ShapeDtypeStruct, ...}`, as 0.2 named its leaves.
@@ -99,9 +113,19 @@ def checkpoint_0_2_layout(config: dict[str, Any]) -> dict[str, jax.ShapeDtypeStr
       {'int32_fields': ShapeDtypeStruct(shape=(6,), dtype=int32),
        'float32_fields': ShapeDtypeStruct(shape=(1,), dtype=float32)}
     """
+    if not (
+        isinstance(batch_shape, tuple)
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in batch_shape)
+    ):
+        raise TypeError(
+            f"`batch_shape` must be a tuple of ints, got {batch_shape!r}; e.g."
+            " `(jax.local_device_count(),)` for a state stacked for `pmap`."
+        )
     return {
-        name: jax.ShapeDtypeStruct((sum(size for _, size in slots),), dtype)
-        for name, (dtype, slots) in _layout(_kind(config)).items()
+        name: jax.ShapeDtypeStruct(
+            (*batch_shape, sum(size for _, size in slots)), dtype
+        )
+        for name, (dtype, slots) in _layout(_kind(_upgraded(config))).items()
     }
 
 
@@ -115,11 +139,14 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
 
     Returns:
       The state, of the kind and settings in `config`, with every field and
-      counter as 0.2 had it.
+      counter as 0.2 had it (and 0.3's new ones at their defaults). Arrays with
+      leading dimensions (a state stacked for `pmap`) give a state stacked so.
 
     Raises:
       ValueError: if `config` names no known kind, or `arrays` do not have the
         names and shapes of that kind's 0.2 layout.
+      TypeError: if `arrays` holds the layout itself (the restore target), not
+        restored arrays, or the arguments are swapped.
 
     Examples:
       >>> import numpy as np
@@ -133,51 +160,97 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
       >>> print(state.scale, state.counter, state.skipped_steps, state.hysteresis)
       512.0 1 2 2
     """
+    if isinstance(arrays, Mapping) and "kind" in arrays and _is_packed(config):
+        raise TypeError(
+            "`from_checkpoint_0_2(arrays, config)` got the config as `arrays` and"
+            " the arrays as `config`: swap them."
+        )
     config = _upgraded(config)
     layout = _layout(_kind(config))
-    if not isinstance(arrays, Mapping) or set(arrays) != set(layout):
-        got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
-        raise ValueError(
-            f"`arrays` must hold the 0.2 arrays {sorted(layout)} of a"
-            f" {config['kind']!r} state, got {got}; restore with"
-            " `checkpoint_0_2_layout(config)` as the target."
-        )
+    _check_arrays(arrays, layout, config["kind"])
     state = build(LossScale, config)
     values = {}
+    batch = None
     for name, (_dtype, slots) in layout.items():
         packed = jnp.asarray(arrays[name])
         total = sum(size for _, size in slots)
-        if packed.shape[-1:] != (total,):
+        if packed.shape[-1:] != (total,) or batch not in (None, packed.shape[:-1]):
             raise ValueError(
                 f"`arrays[{name!r}]` must have {total} elements (the 0.2 layout of"
-                f" {config['kind']!r}), got shape {packed.shape}."
+                f" {config['kind']!r}) after the leading dimensions the other"
+                f" arrays have, got shape {packed.shape}."
             )
+        batch = packed.shape[:-1]  # a state stacked for `pmap` has some
         offset = 0
         for field, size in slots:
             shape = type(state)._specs[field].shape
             value = packed[..., offset : offset + size]
-            values[field] = value.reshape(packed.shape[:-1] + shape)
+            values[field] = value.reshape(batch + shape)
             offset += size
     kind = type(state)
-    for name in NEW_IN_0_3:  # not in a 0.2 checkpoint: its default
-        values[name] = jnp.asarray(getattr(state, name))
+    for name in NEW_IN_0_3:  # not in a 0.2 checkpoint: its default, stacked alike
+        default = jnp.asarray(getattr(state, name))
+        values[name] = jnp.broadcast_to(default, batch + default.shape)
     leaves = [values[n].astype(kind._specs[n].dtype) for n in kind._leaves]
     return jax.tree.unflatten(jax.tree.structure(state), leaves)
 
 
+def _is_packed(value: Any) -> bool:
+    return isinstance(value, Mapping) and any(
+        isinstance(key, str) and key.endswith("_fields") for key in value
+    )
+
+
+def _check_arrays(arrays: Any, layout: dict, kind: str) -> None:
+    """Raises unless `arrays` holds restored arrays by the names of `layout`."""
+    if isinstance(arrays, LossScale):
+        raise TypeError(
+            f"`arrays` is a `{type(arrays).__name__}`, a 0.3 state already: use it"
+            " as it is; `from_checkpoint_0_2` reads the packed arrays of a 0.2"
+            " checkpoint."
+        )
+    if not isinstance(arrays, Mapping) or set(arrays) != set(layout):
+        got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
+        paths, _ = jax.tree_util.tree_flatten_with_path(
+            arrays, is_leaf=lambda node: _is_packed(node) and set(node) == set(layout)
+        )
+        inside = [
+            jax.tree_util.keystr(path)
+            for path, node in paths
+            if path and _is_packed(node) and set(node) == set(layout)
+        ]
+        where = f" They are at `arrays{inside[0]}`: pass that." if inside else ""
+        raise ValueError(
+            f"`arrays` must hold the 0.2 arrays {sorted(layout)} of a {kind!r}"
+            f" state, got {got}; restore with `checkpoint_0_2_layout(config)` as"
+            f" the target.{where}"
+        )
+    for name in layout:
+        if isinstance(arrays[name], jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"`arrays[{name!r}]` is a `ShapeDtypeStruct`: `arrays` is the restore"
+                " target from `checkpoint_0_2_layout`, not what was restored. Put"
+                " it in the target, restore the checkpoint, and pass the restored"
+                " arrays (the tree the restore returns, at the same place)."
+            )
+
+
 def _upgraded(config: Any) -> Any:
-    # 0.2 named a static scale's setting `scale`; 0.3 calls it `value`.
+    # 0.2 named a static scale's setting `scale`; 0.3 calls it `value`. Read
+    # without a warning: this is 0.2's config, read as such.
     if (
         isinstance(config, dict)
         and config.get("kind") == "static"
         and "scale" in config
+        and "value" not in config
     ):
-        config = {"kind": "static", "value": config["scale"]}
+        config = {**config, "value": config["scale"]}
+        del config["scale"]
     return config
 
 
 def _kind(config: Any) -> type[LossScale]:
-    kind = kind_named(config.get("kind") if isinstance(config, dict) else None)
+    kind = kind_named(checked_config(config)["kind"])
     if kind is None:
         raise ValueError(
             "`config` must be a loss-scale config saved by 0.2, whose 'kind' is one"

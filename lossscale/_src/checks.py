@@ -52,6 +52,27 @@ def check_axis_name(axis_name: Any) -> AxisName | None:
     )
 
 
+def check_axis_bound(axis_name: AxisName | None, owner: str) -> None:
+    """Raises `ValueError` unless every axis of `axis_name` is bound where called.
+
+    Asks exactly what the collective over it would need (the axis's size), so
+    it never refuses a `pmap`, `shard_map` or `vmap(axis_name=...)` that binds it.
+    """
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name or ()
+    for name in names:
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            raise ValueError(
+                f"`axis_name` is {axis_name!r}, but no `jax.pmap`, `jax.shard_map`"
+                f" or `jax.vmap(..., axis_name=...)` around this call to `{owner}`"
+                f" binds the axis {name!r}. Call it inside the mapped function"
+                f" (e.g. `jax.pmap(train_step, axis_name={name!r})`); under plain"
+                " `jax.jit` with sharded arrays, drop `axis_name`: the results are"
+                " already global there."
+            ) from None
+
+
 def check_clip_norm(clip_norm: Any) -> float | None:
     """`clip_norm` as a float, or None; raises for anything but a positive number."""
     if clip_norm is None:
@@ -68,15 +89,28 @@ def check_clip_norm(clip_norm: Any) -> float | None:
 
 def check_transformation(tx: Any, name: str) -> None:
     """Raises `TypeError` unless `tx` is an optax transformation."""
+    if isinstance(tx, optax.MultiSteps):
+        raise TypeError(
+            f"`{name}` is an `optax.MultiSteps`, which is not a transformation"
+            f" itself: pass `{name}.gradient_transformation()`. (With Flax fp8"
+            " variables, accumulate with `lossscale.wrap(optax.MultiSteps(...))`"
+            " instead: `docs/guides/accumulation.md`.)"
+        )
     if not isinstance(tx, optax.GradientTransformation):
+        called = (
+            f" `{getattr(tx, '__name__', 'it')}` is a factory: call it, e.g."
+            " `optax.adam(1e-3)`."
+            if callable(tx)
+            else ""
+        )
         raise TypeError(
             f"`{name}` must be an optax transformation (e.g. `optax.adam(1e-3)`),"
-            f" got {type(tx).__name__}."
+            f" got {type(tx).__name__}.{called}"
         )
 
 
-def as_predicate(name: str, value: Any) -> jax.Array:
-    """`value` as a boolean scalar array; raises unless it is one."""
+def as_predicate(name: str, value: Any, example: str) -> jax.Array:
+    """`value` as a boolean scalar array; raises unless it is one, citing `example`."""
     if isinstance(value, bool | np.bool_):
         return jnp.asarray(value, jnp.bool_)
     dtype = getattr(value, "dtype", None)
@@ -84,15 +118,17 @@ def as_predicate(name: str, value: Any) -> jax.Array:
     if dtype is None or shape is None:
         raise TypeError(
             f"`{name}` must be a boolean scalar (a bool or a `jnp.bool_` array), got"
-            f" {type(value).__name__}."
+            f" {type(value).__name__}; compute it as `{example}`."
         )
     if shape != ():
         raise ValueError(
             f"`{name}` must be a scalar, got shape {tuple(shape)}; reduce it first,"
-            " e.g. with `lossscale.all_finite`."
+            f" e.g. `{example}`."
         )
     if dtype != jnp.bool_:
-        raise TypeError(f"`{name}` must be boolean, got dtype {dtype}.")
+        raise TypeError(
+            f"`{name}` must be boolean, got dtype {dtype}; compute it as `{example}`."
+        )
     return jnp.asarray(value)
 
 

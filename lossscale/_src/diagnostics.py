@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -30,9 +31,8 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
 
     Args:
       grads: a pytree of floating-point gradients.
-      loss_scale: the scale to evaluate at: a number (a scale to try: this
-        function asks a question), `None` (1), or a loss-scale state or a tree
-        holding one (its current scale).
+      loss_scale: the scale to evaluate at: a positive number (a scale to try),
+        `None` (1), or a loss-scale state or a tree holding one (its scale).
 
     Returns:
       A dict with the overall figures and, under `"leaves"`, the same figures per
@@ -52,6 +52,7 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
     Raises:
       TypeError: if a leaf is not floating point or is a
         `jax.experimental.sparse` array, or `loss_scale` is none of the above.
+      ValueError: if `loss_scale` is a number that is not positive and finite.
 
     Examples:
       >>> import jax.numpy as jnp, lossscale
@@ -123,9 +124,19 @@ def _figures(counts: dict[str, jax.Array], scale: jax.Array) -> dict[str, jax.Ar
 def _scale_to_evaluate_at(loss_scale: Any) -> jax.Array:
     if loss_scale is None:
         return jnp.ones([], jnp.float32)
-    if checks.is_number(loss_scale):
-        return jnp.asarray(loss_scale, jnp.float32)
-    return jnp.asarray(lookup.find(loss_scale, "loss_scale").scale, jnp.float32)
+    found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "grad_stats")
+    if not checks.is_number(found):
+        return jnp.asarray(found.scale, jnp.float32)
+    # A concrete number is checked here; a traced one (or a device array, which
+    # would need a sync to read) is taken as given.
+    if isinstance(found, numbers.Real | np.generic) and not (
+        0 < float(found) < float("inf")
+    ):
+        raise ValueError(
+            "`loss_scale` of `grad_stats` must be positive and finite (the scale"
+            f" to evaluate at), got {found!r}; None evaluates at 1."
+        )
+    return jnp.asarray(found, jnp.float32)
 
 
 def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
@@ -142,23 +153,18 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
 
       * `loss_scale`: float32, the current scale;
       * `skipped_steps`: int32, non-finite (skipped) steps in total;
-      * `forward_overflows`: int32, skipped steps whose loss was not finite
-        (reported with `value=` to `wrap`'s update);
-      * `backward_overflows`: int32, skipped steps with a finite loss but
-        non-finite gradients (the ones a lower scale can fix);
+      * `forward_overflows`: int32, skipped steps whose loss (`value=`) was not finite;
+      * `backward_overflows`: int32, skipped steps with a finite loss;
       * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
       * `last_finite`: bool, whether the latest step was applied;
-      * `stuck`: bool, the latest step overflowed in the backward pass with the
-        scale at its lowest: backing off cannot help; a loop can stop on it;
-      * `overflow_leaf`: int32, where the latest skipped step overflowed: the
-        index, in `jax.tree.leaves(params)` order, of the first gradient leaf
-        that was not finite; -1 before any skipped step, or if no gradient was
-        (a forward overflow with finite gradients). Recorded by `wrap`,
-        `apply_gradients` and the Flax integrations; `lossscale.leaf_path`
-        names it.
+      * `stuck`: bool, the latest step overflowed backward at the lowest scale:
+        backing off cannot help; a loop can stop on it;
+      * `overflow_leaf`: int32, the index in `jax.tree.leaves(grads)` (no
+        `None` leaves) of the first non-finite gradient of the latest skipped
+        step, or -1 (set by the guarded steps, not `update`); `leaf_path` names it.
 
     Raises:
-      TypeError: if given a spec (a number, "dynamic" or None) instead of a state.
+      TypeError: if given a spec (a number, "dynamic" or None) or the optimizer.
       ValueError: if no loss-scale state, or more than one, is found.
 
     Examples:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lossscale._src.deprecation import MIGRATION
 
 # The key of a field's spec in `dataclasses.field(metadata=...)`.
 METADATA_KEY = "lossscale"
@@ -25,8 +28,8 @@ class Spec(NamedTuple):
         return self.dtype is None
 
 
-def field(
-    *,
+def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
+    *positional: Any,
     dtype: Any = None,
     shape: tuple[int, ...] = (),
     static: bool = False,
@@ -49,7 +52,8 @@ def field(
         number, string, bool, None or a tuple of them.
       default: the value when the constructor is not given one: for an array
         field a Python number or bool (cast), or None for one `__post_init__`
-        sets; for a setting its value.
+        sets; for a setting its value (a list becomes a tuple, as a list
+        given to the constructor or read from JSON does).
       kw_only: `False` lets the constructor take it by position (the fields are
         keyword-only by default).
 
@@ -57,9 +61,10 @@ def field(
       A `dataclasses.field`, to assign in the class body.
 
     Raises:
-      TypeError: if `dtype` is missing, not numeric or boolean, or not kept by
-        JAX; `shape` is not a tuple of non-negative ints; or a static field
-        gets a `dtype` or `shape`.
+      TypeError: if an argument is passed by position; `dtype` is missing, not
+        numeric or boolean, or not kept by JAX; `shape` is not a tuple of
+        non-negative ints; a static field gets a `dtype` or `shape`; or a
+        `default` is not a value such a field can hold.
 
     Examples:
       >>> import jax, jax.numpy as jnp, lossscale
@@ -73,6 +78,14 @@ def field(
       >>> print(state.scale, state.scale.dtype, state.get_config())
       8.0 float32 {'kind': 'doctest.halving', 'floor': 1.0}
     """
+    if positional:
+        raise TypeError(
+            "`field` takes keywords only, e.g. `scale: jax.Array ="
+            " lossscale.field(dtype=jnp.float32, default=1.0)` or `floor: float ="
+            " lossscale.field(static=True, default=1.0)`; got"
+            f" {len(positional)} by position (0.2's `lossscale.field(jnp.float32)`"
+            f" is `lossscale.field(dtype=jnp.float32)`, annotated: {MIGRATION})."
+        )
     if static:
         if dtype is not None or shape != ():
             raise TypeError(
@@ -90,9 +103,23 @@ def field(
                 f" (cast to {spec.dtype} and broadcast to {spec.shape}), or None for"
                 f" a value `__post_init__` sets; got {type(default).__name__}."
             )
+    if default is not dataclasses.MISSING and spec.static:
+        # A setting is immutable (part of the tree structure), so a list default
+        # is no shared mutable state: store it as the tuple it becomes anyway.
+        default = checked_setting(default, "field(static=True)", "default")
     return dataclasses.field(
         default=default, kw_only=kw_only, metadata={METADATA_KEY: spec}
     )
+
+
+# Keyword-only as documented; `*positional` is there to explain 0.2's spelling.
+field.__signature__ = inspect.signature(field).replace(
+    parameters=[
+        p
+        for p in inspect.signature(field).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_POSITIONAL
+    ]
+)
 
 
 def _checked_dtype(dtype: Any) -> np.dtype:

@@ -6,20 +6,20 @@ Flax is an optional dependency: this module is imported only by `lossscale.flax`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from flax import serialization
 from flax import struct
 from flax.training import train_state
 
 from lossscale._src import apply
-from lossscale._src import base
 from lossscale._src import checks
 from lossscale._src import diagnostics
+from lossscale._src import flax_serialization  # noqa: F401 - registers the kinds
 from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
@@ -104,17 +104,20 @@ class TrainState(train_state.TrainState):
           The new `TrainState`.
 
         Raises:
-          TypeError: if `tx` is not an optax transformation, or `loss_scale`,
-            `axis_name` or `clip_norm` is not one of the above.
-          ValueError: if `tx` holds a loss-scale state already, or `clip_norm` is
-            not positive.
+          TypeError: if `tx` is not an optax transformation; `loss_scale`,
+            `axis_name` or `clip_norm` is not one of the above; or a keyword
+            is not a field of the class, or one `create` sets itself.
+          ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
+            not positive, or Flax fp8 variables meet an `optax.MultiSteps`.
         """
         checks.check_transformation(tx, "tx")
         options = checks.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
+        _check_fields(cls, kwargs, "create", ("step", "opt_state"))
         # Flax's fp8 metadata are no optimizer's business (design.md).
         opt_state = tx.init(fp8.trainable(params))
         lookup.refuse_wrapped(opt_state, "tx", "the train state")
+        fp8.refuse_accumulation(params, opt_state, "`TrainState`")
         return cls(
             step=jnp.zeros([], jnp.int32),
             apply_fn=apply_fn,
@@ -144,11 +147,16 @@ class TrainState(train_state.TrainState):
 
         Raises:
           TypeError: if `loss_scale` is not a state, a gradient leaf is not
-            floating point, or `tx.update` changes the dtype of a state leaf.
-          ValueError: if `grads` and `params` differ in tree structure, or a
-            `kwargs` field's new value has another tree than its old one.
+            floating point, `tx.update` changes the dtype of a state leaf, or
+            a keyword is not a field (or is one the step computes).
+          ValueError: if `grads` and `params` differ in tree structure, a
+            `kwargs` field's new value has another tree than its old one, or
+            Flax fp8 variables meet an `optax.MultiSteps` state.
         """
         checks.check_state(self.loss_scale, "loss_scale")
+        computed = ("step", "params", "opt_state", "loss_scale")
+        _check_fields(type(self), kwargs, "apply_gradients", computed)
+        fp8.refuse_accumulation(self.params, self.opt_state, "`TrainState`")
         params, opt_state, loss_scale, applied = apply.apply_or_skip(
             self.tx,
             grads,
@@ -181,6 +189,25 @@ class TrainState(train_state.TrainState):
                 f" old one. Give `{name}` its final tree when creating the state."
             )
         return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def _check_fields(cls: type, kwargs: dict, method: str, computed: tuple) -> None:
+    """Raises `TypeError` naming a keyword that is no field `method` takes."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for name in kwargs:
+        if name in computed:
+            raise TypeError(
+                f"`{cls.__name__}.{method}` computes `{name}` itself; pass only the"
+                " other fields (e.g. `batch_stats=...`)."
+            )
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            raise TypeError(
+                f"`{cls.__name__}.{method}` got an unexpected keyword argument"
+                f" `{name}`{hint}: it takes the fields {names}. Declare a new"
+                " field in a subclass, e.g. `batch_stats: Any = None`."
+            )
 
 
 class Optimizer(nnx.Optimizer):
@@ -256,35 +283,3 @@ class Optimizer(nnx.Optimizer):
         skipped = ~diagnostics.metrics(self.loss_scale)["last_finite"]
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates
-
-
-def _to_state_dict(state: LossScale) -> dict[str, Any]:
-    return {
-        name: serialization.to_state_dict(getattr(state, name))
-        for name in type(state)._leaves
-    }
-
-
-def _from_state_dict(target: LossScale, state: dict[str, Any], name: str = ".") -> Any:
-    cls = type(target)
-    if not isinstance(state, dict) or set(state) != set(cls._leaves):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            f"The state dict at {name!r} must hold the fields {list(cls._leaves)} of"
-            f" a `{cls.__name__}`, got {got}. (A lossscale 0.2 state held"
-            " `int32_fields`/`float32_fields`: see `lossscale.from_checkpoint_0_2`.)"
-        )
-    leaves = [
-        serialization.from_state_dict(getattr(target, n), state[n], name=n)
-        for n in cls._leaves
-    ]
-    return base._unflatten(cls, cls._get_settings(target), leaves)
-
-
-# `flax.serialization` (`to_bytes`, `to_state_dict`, Flax's checkpoints) reads
-# every kind's fields by name; the settings come from the target.
-base.for_every_kind(
-    lambda cls: serialization.register_serialization_state(
-        cls, _to_state_dict, _from_state_dict, override=True
-    )
-)

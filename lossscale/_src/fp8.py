@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 OVERWRITE = "_overwrite_with_gradient"
 
@@ -54,6 +55,31 @@ def split(grads: Any, params: Any) -> Split:
     if new is not None:
         _check_new_values(new, old)
     return Split(grads, params, new, old)
+
+
+def refuse_accumulation(params: Any, opt_state: Any, owner: str) -> None:
+    """Raises if `params` hold the collection and `opt_state` accumulates.
+
+    `apply_gradients` and the `TrainState` write the collection on every applied
+    call; under `optax.MultiSteps` that is every micro-step, where `wrap` writes
+    their max once per optimizer step (`docs/design.md`, "fp8 metadata").
+    """
+    if not (isinstance(params, Mapping) and OVERWRITE in params):
+        return
+    nodes = jax.tree.leaves(
+        opt_state, is_leaf=lambda node: isinstance(node, optax.MultiStepsState)
+    )
+    if any(isinstance(node, optax.MultiStepsState) for node in nodes):
+        raise ValueError(
+            f"{owner} got Flax's fp8 `{OVERWRITE}` collection and an"
+            " `optax.MultiSteps` optimizer state: it would write the fp8 scales and"
+            " amax histories on every micro-step, not once per optimizer step."
+            " Accumulate inside `lossscale.wrap` instead: `tx ="
+            " lossscale.wrap(optax.MultiSteps(inner, k))`, `updates, opt_state ="
+            " tx.update(grads, opt_state, variables)` and"
+            " `optax.apply_updates(variables, updates)`, which combines them with"
+            " max until the inner optimizer steps."
+        )
 
 
 def trainable(params: Any) -> Any:

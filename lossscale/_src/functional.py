@@ -39,7 +39,8 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
 
     Raises:
       TypeError: if `loss` is not a floating-point array (or a callable of no
-        arguments), or `loss_scale` is a spec (a number, "dynamic" or None).
+        arguments) or holds a loss-scale state (the arguments swapped), or
+        `loss_scale` is a spec (a number, "dynamic" or None) or an optimizer.
       ValueError: if `loss` is not a scalar, or `loss_scale` holds no state (or
         several).
 
@@ -54,6 +55,7 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
       >>> print(scaled_fn())
       2048.0
     """
+    _refuse_swapped(loss, "loss", "scale_loss(loss, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     if callable(loss) and not hasattr(loss, "dtype"):
         _check_no_arguments(loss)
@@ -85,8 +87,9 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
       The gradients divided by the scale, same tree and dtypes.
 
     Raises:
-      TypeError: if a gradient leaf is not floating point (or complex), a leaf is
-        a sparse array, or `loss_scale` is a spec (a number, "dynamic" or None).
+      TypeError: if a gradient leaf is not floating point (or complex) or is a
+        sparse array, `grads` holds a loss-scale state (the arguments swapped),
+        or `loss_scale` is a spec (a number, "dynamic" or None) or an optimizer.
       ValueError: if `loss_scale` holds no state (or several).
 
     Examples:
@@ -96,6 +99,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
       >>> print(lossscale.unscale_grads(grads, lossscale.StaticLossScale(1024))["w"])
       [1. 2.]
     """
+    _refuse_swapped(grads, "grads", "unscale_grads(grads, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
     checks.check_gradients(grads)
@@ -125,6 +129,8 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
     Raises:
       TypeError: if `axis_name` is not a string or a tuple of strings, or a leaf
         is a sparse array.
+      ValueError: if no `shard_map`, `pmap` or `vmap` around the call binds
+        `axis_name`.
 
     Examples:
       >>> import jax
@@ -140,8 +146,21 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
       [False False]
     """
     axis_name = checks.check_axis_name(axis_name)
+    checks.check_axis_bound(axis_name, "all_finite")
     checks.refuse_sparse(tree, "tree")
     return step.agree(numerics.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
+
+
+def _refuse_swapped(first: Any, name: str, call: str) -> None:
+    """Raises `TypeError` if the first argument, `name`, holds a loss-scale state."""
+    found = lookup.find_all(first)
+    if found:
+        where = jax.tree_util.keystr(found[0][0]) or "<root>"
+        raise TypeError(
+            f"`{name}` holds a loss-scale state (at {where}): the arguments are"
+            f" `{call}`, the loss-scale state (or the optimizer state holding it)"
+            " second. Swap them."
+        )
 
 
 def _check_no_arguments(loss_fn: Callable[[], Any]) -> None:

@@ -26,11 +26,11 @@ def value_and_grad(
     The returned function is called as `g(loss_scale, *args, **kwargs)`: first the
     loss-scale state (or a tree holding one, as for `lossscale.scale_loss`), then
     `fun`'s own arguments, which `argnums` counts, as in `jax.value_and_grad`.
-    The gradients are those of `scale_loss(fun(...), loss_scale)`, multiplied by
-    the scale, ready for `wrap`'s `update` or `TrainState.apply_gradients`, which
-    unscale them; the loss and `aux` are returned as `fun` computed them. With
-    `axis_name` they are averaged over it (as Flax's `DynamicScale` does): every
-    replica applies the same ones and takes the same skip decision.
+    The gradients are those of `scale_loss(fun(...), loss_scale)`, ready for
+    `wrap`'s `update` or `TrainState.apply_gradients`, which unscale them; the
+    loss and `aux` are returned as `fun` computed them. With `axis_name` the
+    gradients are averaged over it (as Flax's `DynamicScale` does), inside a
+    `pmap` or `shard_map` binding it: every replica takes the same skip decision.
 
     Args:
       fun: the loss function; returns a floating-point scalar, or a pair
@@ -42,15 +42,15 @@ def value_and_grad(
 
     Returns:
       A function `g(loss_scale, *args, **kwargs)` returning `(loss, grads)`, or
-      `((loss, aux), grads)` when `has_aux` is True. With a tuple `argnums`,
-      `grads` is a tuple.
+      `((loss, aux), grads)` with `has_aux`; for a tuple `argnums`, a tuple `grads`.
 
     Raises:
       TypeError: if `fun` is not callable, `has_aux` is not a bool, `argnums`
         is not an int or a sequence of ints, or `axis_name` is not a name; when
-        called, if `fun`'s result is not
-        a floating-point scalar (or a pair with `has_aux`).
-      ValueError: if `argnums` is empty or has a negative entry.
+        called, if `fun`'s result does not match `has_aux`, or its loss is not
+        a floating-point scalar.
+      ValueError: if `argnums` is empty or negative; when called, if nothing
+        around the call binds `axis_name`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, lossscale
@@ -70,20 +70,19 @@ def value_and_grad(
     axis_name = checks.check_axis_name(axis_name)
 
     def scaled_fun(state, *args, **kwargs):
-        out = fun(*args, **kwargs)
-        if has_aux:
-            if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise TypeError(
-                    "With `has_aux=True`, `fun` must return a pair `(loss, aux)`;"
-                    f" got {type(out).__name__}."
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
+        loss, aux = split_loss(fun(*args, **kwargs), has_aux, "fun", "fun(...)")
         return functional.scale_loss(loss, state), (loss, aux)
 
     def grad_fn(loss_scale, *args, **kwargs):
-        state = lookup.find(loss_scale, "loss_scale")
+        try:
+            state = lookup.find(loss_scale, "loss_scale")
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"{error} (The function `value_and_grad(fun)` returns is called as"
+                " `grad_fn(loss_scale, *args, **kwargs)`: the loss-scale state, or"
+                " the optimizer state holding it, first, then `fun`'s arguments.)"
+            ) from None
+        checks.check_axis_bound(axis_name, "value_and_grad")
         if max(_entries(argnums)) >= len(args):
             raise ValueError(
                 f"`argnums` is {argnums!r} but `fun` was given {len(args)}"
@@ -103,6 +102,39 @@ def value_and_grad(
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return grad_fn
+
+
+def split_loss(out: Any, has_aux: bool, name: str, call: str) -> tuple[jax.Array, Any]:
+    """`(loss, aux)` of `out`, what the function `name` returned as `call`.
+
+    Raises `TypeError` saying how to set `has_aux` if `out` does not match it,
+    and checks that the loss is a floating-point scalar.
+    """
+    pair = isinstance(out, tuple | list) and len(out) == 2
+    if has_aux and not pair:
+        raise TypeError(
+            f"With `has_aux=True`, `{name}` must return a pair `(loss, aux)`; it"
+            f" returned {_described(out)}. If it returns the loss alone, pass"
+            " `has_aux=False` (the default)."
+        )
+    if not has_aux and isinstance(out, tuple | list):
+        hint = " If it returns `(loss, aux)`, pass `has_aux=True`." if pair else ""
+        raise TypeError(
+            f"`{name}` must return a floating-point scalar, the loss; it returned"
+            f" {_described(out)}.{hint}"
+        )
+    loss, aux = out if has_aux else (out, None)
+    return checks.check_loss(loss, f"{call}[0]" if has_aux else call), aux
+
+
+def _described(out: Any) -> str:
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)}"
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape is None or dtype is None:
+        return f"a {type(out).__name__}"
+    kind = "scalar" if shape == () else f"array of shape {tuple(shape)}"
+    return f"a {dtype} {kind}"
 
 
 def _entries(argnums: Any) -> tuple[Any, ...] | None:

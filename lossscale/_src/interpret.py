@@ -4,7 +4,9 @@
 infs, and an overflow is an inf before it is a NaN (`jnp.exp` of float16 20.0
 passes them; docs/design.md, "Locating an overflow"). So `locate_overflow`
 evaluates the jaxpr of the scaled loss's `value_and_grad` equation by
-equation, as `jax.core.eval_jaxpr` does, and checks what each produces.
+equation, as `jax.core.eval_jaxpr` does, and follows each inf or NaN back to
+the equation, or the input, it came from (`run`). `preflight` walks the same
+way (`walk`), measuring values instead.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _CALLS = {
     "closed_call": "call_jaxpr",
     "core_call": "call_jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",  # `jax.checkpoint`'s primitive
     "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
@@ -37,7 +40,7 @@ _CALLS = {
 
 @dataclasses.dataclass(frozen=True)
 class Producer:
-    """The first equation whose finite inputs gave a non-finite output."""
+    """An equation whose inputs held no inf or NaN that reaches its output."""
 
     op: str
     backward: bool
@@ -45,93 +48,133 @@ class Producer:
     function: str | None
 
 
-def run(closed: Any, args: list[Any]) -> tuple[list[Any], Producer | None]:
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What `run` found: the outputs, and where each one's inf or NaN came from.
+
+    `origins[i]` is None for a finite output; otherwise an index into `sources`,
+    whose entries are in the order they were found: an int is the position of
+    an argument that was not finite on entry, a `Producer` the equation that
+    made the first non-finite value this output derives from.
+    """
+
+    outputs: list[Any]
+    origins: list[int | None]
+    sources: list[int | Producer]
+
+
+def run(closed: Any, args: list[Any]) -> Run:
     """Evaluates `closed` (a ClosedJaxpr) on `args`, as `jax.core.eval_jaxpr`.
 
-    Returns its outputs, and the first equation that produced a non-finite
-    value from finite inputs (None if none did).
+    Each value carries the origin of its inf or NaN. An equation whose output
+    is not finite passes on the earliest origin among its inputs'; if none of
+    its inputs has one, it is the origin. So a non-finite value that never
+    reaches an output (an aux metric's `log(0)`) is never blamed for one that
+    does, and a constant `-inf` (an attention mask) is blamed only through the
+    equation that carries it into a non-finite result.
     """
-    found: list[Producer] = []
+    sources: list[int | Producer] = []
 
-    def visit(eqn, inputs, outputs, marked, calls):
-        if not found and _produced(inputs, outputs):
-            found.append(_producer(eqn, calls))
+    def new_source(source: int | Producer) -> int:
+        sources.append(source)
+        return len(sources) - 1
 
-    outputs = walk(closed, args, visit, descend=lambda: not found)
-    return outputs, (found[0] if found else None)
+    def visit(eqn, inputs, outputs, in_origins, calls):
+        return _origins(outputs, in_origins, lambda: new_source(_producer(eqn, calls)))
+
+    origins = [
+        new_source(position) if nonfinite(arg) else None
+        for position, arg in enumerate(args)
+    ]
+    outputs, out_origins = walk(closed, list(args), visit, tags=origins)
+    return Run(outputs, out_origins, sources)
 
 
 def walk(
     closed: Any,
     args: list[Any],
-    visit: Callable[[Any, list[Any], list[Any], bool, tuple[Any, ...]], None],
+    visit: Callable[[Any, list[Any], list[Any], list[Any], tuple[Any, ...]], Any],
     *,
-    marked: Sequence[bool] = (),
+    tags: Sequence[Any] = (),
     descend: Callable[[], bool] = lambda: True,
     branches: bool = False,
-) -> list[Any]:
-    """Evaluates `closed` on `args` one equation at a time; returns its outputs.
+) -> tuple[list[Any], list[Any]]:
+    """Evaluates `closed` on `args` one equation at a time.
 
-    Calls `visit(eqn, inputs, outputs, marked, calls)` after each equation it
-    binds, eagerly or under a trace (`jax.jit` of a function that calls
-    `walk`); `calls` are the call equations it is inside, outermost first. It
-    goes inside the calls of `_CALLS` while `descend()` is true. `marked` flags
-    some of `args` (e.g. the loss scale): an equation's outputs are marked when
-    one of its inputs is, which tells the values computed from them. With
-    `branches`, it also goes inside the branch a `cond` takes, when its index is
-    concrete (evaluating eagerly).
+    Calls `visit(eqn, inputs, outputs, input_tags, calls)` after each equation
+    it binds, eagerly or under a trace (`jax.jit` of a function that calls
+    `walk`); `calls` are the call equations it is inside, outermost first.
+    Every value carries a tag: `tags` are the first of `args`' (the rest, the
+    constants and literals have None), and `visit` returns its outputs' (a
+    list; None for all None). So a tag follows values through the calls it
+    goes inside, those of `_CALLS` while `descend()` is true. With `branches`,
+    it also goes inside the branch a `cond` takes, when its index is concrete
+    (evaluating eagerly). Returns the outputs and their tags.
     """
 
-    def evaluate(jaxpr, consts, values, flags, calls):
-        env, marks = {}, {}
+    def evaluate(jaxpr, consts, values, in_tags, calls):
+        env = {}
 
         def read(var):
-            return var.val if isinstance(var, core.Literal) else env[var]
+            return (var.val, None) if isinstance(var, core.Literal) else env[var]
 
-        def mark(var):
-            return False if isinstance(var, core.Literal) else marks[var]
-
-        env.update(zip(jaxpr.constvars, consts, strict=True))
-        marks.update((var, False) for var in jaxpr.constvars)
-        env.update(zip(jaxpr.invars, values, strict=True))
-        marks.update(zip(jaxpr.invars, flags, strict=True))
+        env.update(zip(jaxpr.constvars, [(c, None) for c in consts], strict=True))
+        env.update(zip(jaxpr.invars, zip(values, in_tags, strict=True), strict=True))
         for eqn in jaxpr.eqns:
-            inputs = [read(var) for var in eqn.invars]
-            input_marks = [mark(var) for var in eqn.invars]
+            pairs = [read(var) for var in eqn.invars]
+            inputs = [value for value, _ in pairs]
+            input_tags = [tag for _, tag in pairs]
             sub = _sub_jaxpr(eqn, len(inputs))
-            operands, operand_marks = inputs, input_marks
+            operands, operand_tags = inputs, input_tags
             if branches and eqn.primitive.name == "cond":
-                sub, operands, operand_marks = _branch(eqn, inputs, input_marks)
+                sub, operands, operand_tags = _branch(eqn, inputs, input_tags)
             if sub is not None and descend():
-                outputs, output_marks = evaluate(
-                    sub.jaxpr, sub.consts, operands, operand_marks, (*calls, eqn)
+                outputs, output_tags = evaluate(
+                    sub.jaxpr, sub.consts, operands, operand_tags, (*calls, eqn)
                 )
             else:
                 with eqn.ctx.manager:
                     outputs = eqn.primitive.bind(*inputs, **_bind_params(eqn))
                 if not eqn.primitive.multiple_results:
                     outputs = [outputs]
-                output_marks = [any(input_marks)] * len(outputs)
-                visit(eqn, inputs, outputs, any(input_marks), calls)
-            env.update(zip(eqn.outvars, outputs, strict=True))
-            marks.update(zip(eqn.outvars, output_marks, strict=True))
-        return [read(var) for var in jaxpr.outvars], [
-            mark(var) for var in jaxpr.outvars
-        ]
+                output_tags = visit(eqn, inputs, outputs, input_tags, calls)
+                if output_tags is None:
+                    output_tags = [None] * len(outputs)
+            pairs = zip(outputs, output_tags, strict=True)
+            env.update(zip(eqn.outvars, pairs, strict=True))
+        pairs = [read(var) for var in jaxpr.outvars]
+        return [value for value, _ in pairs], [tag for _, tag in pairs]
 
-    flags = list(marked) + [False] * (len(args) - len(marked))
-    outputs, _ = evaluate(closed.jaxpr, closed.consts, args, flags, ())
-    return outputs
+    padded = list(tags) + [None] * (len(args) - len(tags))
+    return evaluate(closed.jaxpr, closed.consts, list(args), padded, ())
 
 
-def _branch(eqn: Any, inputs: list, marks: list) -> tuple[Any, list, list]:
+def _branch(eqn: Any, inputs: list, tags: list) -> tuple[Any, list, list]:
     """The branch a `cond` takes and its operands; `(None, ...)` if traced."""
     index = inputs[0]
     if isinstance(index, jax.core.Tracer):
-        return None, inputs, marks
+        return None, inputs, tags
     branches = eqn.params["branches"]
     chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
-    return chosen, inputs[1:], marks[1:]
+    return chosen, inputs[1:], tags[1:]
+
+
+def _origins(
+    outputs: list[Any], in_origins: list[int | None], made_here: Callable[[], int]
+) -> list[int | None]:
+    """Each output's origin: None if finite, else the inputs' earliest, else here."""
+    inherited = min((o for o in in_origins if o is not None), default=None)
+    origins: list[int | None] = []
+    here = None
+    for output in outputs:
+        if not nonfinite(output):
+            origins.append(None)
+        elif inherited is not None:
+            origins.append(inherited)
+        else:
+            here = made_here() if here is None else here
+            origins.append(here)
+    return origins
 
 
 def _bind_params(eqn: Any) -> dict[str, Any]:
@@ -167,11 +210,26 @@ def _produced(inputs: list[Any], outputs: list[Any]) -> bool:
     return any(nonfinite(x) for x in outputs) and not any(nonfinite(x) for x in inputs)
 
 
+def _transposed(eqn: Any) -> bool:
+    """Whether `eqn` was made by transposing (the backward pass of `grad`).
+
+    Read from the name stack's transforms, not its text: a `named_scope` (or a
+    Flax module) named "transpose" is a scope of the forward pass.
+    """
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return any(
+        type(entry).__name__ == "Transform" and entry.name == "transpose"
+        for entry in stack
+    )
+
+
 def _producer(eqn: Any, calls: tuple[Any, ...]) -> Producer:
     place, function = source(eqn, calls=calls)
     return Producer(
         op=eqn.primitive.name,
-        backward="transpose" in str(eqn.source_info.name_stack),
+        # Inside a transposed call every equation is in the backward pass,
+        # though its own name stack starts afresh.
+        backward=any(_transposed(e) for e in (*calls, eqn)),
         source=place,
         function=function,
     )

@@ -7,15 +7,55 @@ failing later deep inside JAX (`docs/design.md`, "States").
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from typing import Any
 
 import jax.numpy as jnp
 
+from lossscale._src import deprecation
 from lossscale._src import fields
 
 # Names a kind may not use for a field: the base class's own attributes.
 RESERVED = frozenset({"kind", "rule", "replace", "get_config", "from_config"})
+
+
+def check_body(cls: type) -> None:
+    """Refuses what `dataclasses` would refuse unclearly, and 0.2's class bodies.
+
+    0.2's rule `adjust` becomes `rule` with a `DeprecationWarning` (unambiguous:
+    a kind that defines `adjust` and no `rule` means it as the rule; without the
+    alias a subclass of a built-in kind would silently keep the built-in rule).
+    """
+    body = vars(cls)
+    annotations = body.get("__annotations__", {})
+    for name, value in body.items():
+        if (
+            isinstance(value, dataclasses.Field)
+            and fields.METADATA_KEY in value.metadata
+            and name not in annotations
+        ):
+            spec = value.metadata[fields.METADATA_KEY]
+            kind = "float" if spec.static else "jax.Array"
+            raise TypeError(
+                f"`{cls.__name__}.{name}` is a `lossscale.field` without an"
+                f" annotation; a kind is a dataclass: write `{name}: {kind} ="
+                f" lossscale.field(...)`."
+            )
+    for old, new in (("lowest_scale", "min_scale"), ("highest_scale", "max_scale")):
+        if old in body:
+            # No alias: on a `DynamicLossScale` subclass `min_scale` is a setting.
+            raise TypeError(
+                f"`{cls.__name__}` defines `{old}`, lossscale 0.2's name of a bound;"
+                f" 0.3 reads `{new}` (a setting, a property or a class attribute,"
+                f" a static Python float): rename it (see {deprecation.MIGRATION})."
+            )
+    if "adjust" in body and "rule" not in body:
+        deprecation.warn(
+            f"`{cls.__name__}.adjust(self, grads_finite)` is"
+            f" `{cls.__name__}.rule(self, grads_finite)`: rename it"
+        )
+        cls.rule = body["adjust"]
 
 
 def check_class(cls: type, base: type) -> None:
@@ -63,10 +103,36 @@ def finishing(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):  # noqa: N807
+        cls = type(self)
+        unknown = set(kwargs) - set(cls._specs)
+        if unknown:
+            raise TypeError(_unknown_argument(cls, min(unknown)))
+        if args:
+            _check_positional(cls, args)
         init(self, *args, **kwargs)
         finish(self)
 
     return __init__
+
+
+def _check_positional(cls: type, args: tuple) -> None:
+    positional = [f.name for f in dataclasses.fields(cls) if not f.kw_only]
+    if len(args) > len(positional):
+        takes = ", ".join(f"`{n}`" for n in positional) or "no argument"
+        raise TypeError(
+            f"`{cls.__name__}` takes {takes} by position, got {len(args)}"
+            f" positional values; pass fields by keyword: {list(cls._specs)}."
+        )
+
+
+def _unknown_argument(cls: type, name: str) -> str:
+    known = list(cls._specs)
+    if isinstance(getattr(cls, name, None), property):
+        why = f"`{name}` is a property `{cls.__name__}` computes, not an argument"
+    else:
+        close = difflib.get_close_matches(name, known, n=1)
+        why = f"no field `{name}`" + (f" (did you mean `{close[0]}`?)" if close else "")
+    return f"`{cls.__name__}` got an unexpected argument: {why}. It takes {known}."
 
 
 def finish(state: Any) -> None:

@@ -10,8 +10,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lossscale._src import checks
+from lossscale._src import deprecation
 from lossscale._src.base import LossScale
 from lossscale._src.fields import field
 
@@ -165,13 +167,21 @@ class DynamicLossScale(LossScale, kind="dynamic"):
         scale = self.scale
         if scale is None:
             scale = min(max(2.0**15, low), high)
-        if not isinstance(scale, jax.Array):  # arrays: cast, possibly traced
-            scale = checks.positive_float32("scale", scale, owner)
-            if not low <= scale <= high:
-                raise ValueError(
-                    f"`{owner}`: `scale` ({scale!r}) must be within [min_scale,"
-                    f" max_scale] = [{low!r}, {high!r}]."
+        if _readable_array(scale):  # a state stacked for `pmap` has many
+            values = np.asarray(scale)
+            if not (
+                jnp.issubdtype(values.dtype, jnp.integer)
+                or jnp.issubdtype(values.dtype, jnp.floating)
+            ):
+                raise TypeError(
+                    f"`{owner}`: `scale` must be a real number, got an array of"
+                    f" {values.dtype}."
                 )
+            for value in {float(v) for v in values.ravel()}:
+                _checked_scale(value, low, high, owner)
+        elif not isinstance(scale, jax.Array | jax.ShapeDtypeStruct):
+            scale = _checked_scale(scale, low, high, owner)
+        # A traced scale cannot be read here: `update` reports what it becomes.
         for name, value in {**settings, "scale": scale}.items():
             object.__setattr__(self, name, value)
 
@@ -194,6 +204,39 @@ class DynamicLossScale(LossScale, kind="dynamic"):
         )
 
 
+# lossscale 0.2's arguments, with a warning (docs/migration/lossscale_0_2.md).
+deprecation.accept_0_2_arguments(
+    DynamicLossScale,
+    {"initial_scale": "scale"},
+    ("scale", "growth_interval", "growth_factor", "backoff_factor")
+    + ("min_scale", "max_scale", "hysteresis"),
+)
+# 0.2 named `value` after the property it sets.
+deprecation.accept_0_2_arguments(StaticLossScale, {"scale": "value"}, ("value",))
+
+
+def _readable_array(value: Any) -> bool:
+    """Whether `value` is an array whose values can be read on the host."""
+    if isinstance(value, np.ndarray | np.generic):
+        return True
+    return (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and value.is_fully_addressable
+    )
+
+
+def _checked_scale(value: Any, low: float, high: float, owner: str) -> float:
+    """A first scale as the float32 the rule uses; refused as `positive_float32`."""
+    scale = checks.positive_float32("scale", value, owner)
+    if not low <= scale <= high:
+        raise ValueError(
+            f"`{owner}`: `scale` ({scale!r}) must be within [min_scale,"
+            f" max_scale] = [{low!r}, {high!r}]."
+        )
+    return scale
+
+
 LossScaleLike = LossScale | float | int | str | None
 """Where a state is created: a state, a number (static), "dynamic" or None (no-op)."""
 
@@ -213,10 +256,16 @@ def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
             return DynamicLossScale()
         raise ValueError(
             f"`{name}` must be a loss-scale state, a number, 'dynamic' or None; got"
-            f" the string {spec!r} (the only string allowed is 'dynamic')."
+            f" the string {spec!r} (the only string allowed is 'dynamic'; a fixed"
+            " scale is a number, e.g. `1024.0`, or `lossscale.StaticLossScale(s)`)."
         )
     if checks.is_number(spec):
         return StaticLossScale(spec)
+    if isinstance(spec, type) and issubclass(spec, LossScale):
+        raise TypeError(
+            f"`{name}` got the class `{spec.__name__}`; pass a state, an instance:"
+            f" `{name}={spec.__name__}(...)`."
+        )
     raise TypeError(
         f"`{name}` must be a loss-scale state, a number, 'dynamic' or None; got"
         f" {type(spec).__name__}."

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -19,54 +18,6 @@ from lossscale._src import lookup
 from lossscale._src import program
 
 
-def leaf_path(params: Any, index: Any) -> str | None:
-    """The path of leaf `index` of `params`, as `jax.tree_util.keystr` writes it.
-
-    Names the leaf that `lossscale.metrics(opt_state)["overflow_leaf"]` points
-    at. Run it on the host, after the step: it reads `index`'s value.
-
-    Args:
-      params: the parameters (or any tree with their structure: the gradients,
-        a Flax variables dict, an Equinox model).
-      index: an int, or an int32 scalar array such as `metrics(...)
-        ["overflow_leaf"]`; -1 (no overflow yet) gives None.
-
-    Returns:
-      The path (e.g. `"['dense']['kernel']"`), or None for -1.
-
-    Raises:
-      TypeError: if `index` is not an integer scalar.
-      ValueError: if `index` is below -1 or past the last leaf.
-
-    Examples:
-      >>> import jax.numpy as jnp, lossscale
-      >>> params = {"dense": {"bias": jnp.zeros(2), "kernel": jnp.ones((3, 2))}}
-      >>> print(lossscale.leaf_path(params, 1))
-      ['dense']['kernel']
-      >>> print(lossscale.leaf_path(params, -1))
-      None
-    """
-    value = np.asarray(index)
-    if value.shape != () or not (
-        np.issubdtype(value.dtype, np.integer) or isinstance(index, numbers.Integral)
-    ):
-        raise TypeError(
-            "`index` must be an integer scalar (e.g. `metrics(opt_state)"
-            f'["overflow_leaf"]`), got {index!r}.'
-        )
-    paths, _, _ = program.flatten_with_paths(params)
-    position = int(value)
-    if position == -1:
-        return None
-    if not 0 <= position < len(paths):
-        raise ValueError(
-            f"`index` is {position}, but `params` has {len(paths)} leaves: it must be"
-            f" -1 (no overflow yet) or in [0, {len(paths)}). Pass the tree whose"
-            " gradients the step checked."
-        )
-    return paths[position]
-
-
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
     """Where a step overflowed, from `lossscale.locate_overflow`.
@@ -76,13 +27,17 @@ class OverflowReport:
         (the loss is finite, some gradients are not) or None (all finite).
       leaves: the paths (`jax.tree_util.keystr`) of the parameters whose
         unscaled gradients are not finite, in `jax.tree.leaves` order.
-      op: the name of the first primitive that produced a non-finite value from
-        finite inputs, in the forward or the backward pass; None if none did.
+      op: the primitive that made the first inf or NaN reaching the loss (a
+        forward overflow) or those gradients (a backward one), from inputs
+        without any; None if none did (see `nonfinite_input`).
       source: `"file:line"` of the user's code that called that op.
       function: the function that line is in.
       backward_pass: whether that op is in the backward pass.
       scale: the loss scale the step was evaluated at.
       loss: the unscaled loss, as a Python float.
+      nonfinite_input: when the inf or NaN was in the input itself, before any
+        op, which input: `loss_fn`'s argument name and path (e.g.
+        `"x"`, `"batch['image']"`, `"params['w']"`); else None.
 
     Examples:
       >>> import jax.numpy as jnp, lossscale
@@ -100,12 +55,22 @@ class OverflowReport:
     backward_pass: bool
     scale: float
     loss: float
+    nonfinite_input: str | None = None
 
     def __str__(self) -> str:
         if self.kind is None:
             return (
                 f"No overflow at loss scale {self.scale:g}: the loss ({self.loss:g})"
                 " and every gradient are finite."
+            )
+        if self.nonfinite_input is not None:
+            return (
+                f"The input is not finite: `{self.nonfinite_input}` holds an inf or a"
+                f" NaN before any op runs (loss scale {self.scale:g}, loss"
+                f" {self.loss:g}).{self._grads()} No loss scale or float32 cast"
+                " fixes that: clean the data (or the parameters) it comes from, or"
+                " skip such batches; with `value=loss` the step skips them without"
+                " backing off the scale."
             )
         where = ""
         if self.op is not None:
@@ -117,10 +82,7 @@ class OverflowReport:
                 f" The first non-finite value came from `{self.op}` at {place},"
                 f" in the {step} pass."
             )
-        named = ", ".join(self.leaves[:3]) + (
-            f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else ""
-        )
-        grads = f" Non-finite gradients: {named}." if self.leaves else ""
+        grads = self._grads()
         if self.kind == "forward":
             return (
                 f"Forward overflow at loss scale {self.scale:g}: the loss is"
@@ -136,6 +98,12 @@ class OverflowReport:
             " too, compute that op in float32."
         )
 
+    def _grads(self) -> str:
+        named = ", ".join(self.leaves[:3]) + (
+            f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else ""
+        )
+        return f" Non-finite gradients: {named}." if self.leaves else ""
+
 
 def locate_overflow(
     loss_fn: Callable[..., Any],
@@ -148,19 +116,18 @@ def locate_overflow(
     """Finds where a step overflows: the gradient leaves, the op and its line.
 
     Runs `jax.value_and_grad` of `scale_loss(loss_fn(params, *args, **kwargs),
-    loss_scale)` one primitive at a time, on the host, checking what each one
-    produces. It differentiates the floating-point array leaves of `params`
-    (others, such as an Equinox model's functions, are held fixed). Call it on
-    the failing batch, outside the train step; it syncs after every op, so it
-    is slow (seconds for a small model, minutes for a large one). `loss_fn`
-    may be jitted: the walk goes into `jax.jit`, `jax.checkpoint` and custom
-    derivative rules; other control flow (`lax.cond`, `scan`) is named whole.
+    loss_scale)` one primitive at a time, on the host, differentiating the
+    floating-point array leaves of `params` (an Equinox model's functions are
+    held fixed). Call it on the failing batch, outside the train step: it syncs
+    after every op (seconds for a small model, minutes for a large one). The
+    walk goes into `jax.jit`, `jax.checkpoint` and custom derivative rules. An
+    inf or NaN already in the input (the batch, or `params`) is named as such,
+    in `nonfinite_input`, not blamed on an op.
 
     Args:
       loss_fn: the loss function, as the step calls it: it returns a
         floating-point scalar, or `(loss, aux)` with `has_aux`.
-      params: what the step differentiates: a tree of parameters, a Flax NNX
-        or Equinox model.
+      params: what the step differentiates: parameters, an NNX or Equinox model.
       *args: `loss_fn`'s further arguments (the batch).
       loss_scale: the scale to evaluate at: a loss-scale state, a tree holding
         one (the optimizer state), or a positive number.
@@ -171,9 +138,9 @@ def locate_overflow(
       An `OverflowReport`; `str(report)` says what to do.
 
     Raises:
-      TypeError: if `loss_fn` is not callable, `has_aux` is not a bool,
-        `loss_scale` is none of the above, or `loss_fn` does not return a
-        floating-point scalar.
+      TypeError: if `loss_fn` is not callable or cannot take the arguments,
+        `has_aux` does not match it, `loss_scale` is none of the above, the
+        loss is not a float scalar, or it is called under `jax.jit`.
       ValueError: if `loss_scale` is a number that is not positive and finite,
         or `params` has no floating-point array to differentiate.
 
@@ -187,7 +154,20 @@ def locate_overflow(
       >>> print(report.kind, report.op, report.leaves)
       forward exp ("['w']",)
     """
-    problem = program.Program.build(loss_fn, params, args, kwargs, has_aux)
+    if any(
+        isinstance(leaf, jax.core.Tracer)
+        for leaf in jax.tree.leaves((params, args, kwargs, loss_scale))
+    ):
+        raise TypeError(
+            "`locate_overflow` runs on the host, outside the train step, and got"
+            " traced values (it was called inside `jax.jit`, `grad` or `vmap`)."
+            " Call it after the step, on the failing batch and the optimizer"
+            ' state, e.g. when `metrics(opt_state)["skipped_steps"]` grows.'
+        )
+    problem = program.Program.build(
+        loss_fn, params, args, kwargs, has_aux,
+        "locate_overflow(loss_fn, params, x, y, loss_scale=...)",
+    )  # fmt: skip
     state = _state(loss_scale)
 
     def scaled(diff, batch):
@@ -199,29 +179,39 @@ def locate_overflow(
 
     diff, batch = problem.diff, problem.batch
     closed, shape = jax.make_jaxpr(step, return_shape=True)(diff, batch)
-    outputs, producer = interpret.run(closed, jax.tree.leaves((diff, batch)))
-    (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), outputs)
-    inverse = 1.0 / float(state.scale)
-    bad = tuple(
-        path
-        for path, g in zip(problem.diff_paths, grads, strict=True)
-        if interpret.nonfinite(jnp.asarray(g, jnp.float32) * inverse)
+    found = interpret.run(closed, [*diff, *batch])
+    (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), found.outputs)
+    (_, loss_origin), grad_origins = jax.tree.unflatten(
+        jax.tree.structure(shape), found.origins
     )
+    inverse = 1.0 / float(state.scale)
+    bad = [
+        position
+        for position, g in enumerate(grads)
+        if interpret.nonfinite(jnp.asarray(g, jnp.float32) * inverse)
+    ]
     loss = float(loss)
     kind = "forward" if not np.isfinite(loss) else ("backward" if bad else None)
+    # A forward overflow is the loss's; a backward one the gradients' earliest.
+    blamed = [loss_origin] if kind == "forward" else [grad_origins[i] for i in bad]
+    origins = [origin for origin in blamed if origin is not None]
+    source = found.sources[min(origins)] if origins else None
+    producer = source if isinstance(source, interpret.Producer) else None
     return OverflowReport(
         kind=kind,
-        leaves=bad,
-        op=None if kind is None or producer is None else producer.op,
-        source=None if kind is None or producer is None else producer.source,
-        function=None if kind is None or producer is None else producer.function,
-        backward_pass=bool(kind and producer and producer.backward),
+        leaves=tuple(problem.diff_paths[i] for i in bad),
+        op=None if producer is None else producer.op,
+        source=None if producer is None else producer.source,
+        function=None if producer is None else producer.function,
+        backward_pass=producer is not None and producer.backward,
         scale=float(state.scale),
         loss=loss,
+        nonfinite_input=(
+            problem.input_names()[source] if isinstance(source, int) else None
+        ),
     )
 
 
 def _state(loss_scale: Any) -> Any:
-    if checks.is_number(loss_scale):
-        return kinds.StaticLossScale(loss_scale)
-    return lookup.find(loss_scale, "loss_scale")
+    found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
+    return kinds.StaticLossScale(found) if checks.is_number(found) else found

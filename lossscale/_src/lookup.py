@@ -29,7 +29,8 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 
     Raises:
       TypeError: if `opt_state` is a spec (a number, "dynamic" or None): it
-        describes a state to create, not the one the optimizer carries.
+        describes a state to create, not the one the optimizer carries; or if
+        it is the optimizer (the transformation) instead of its state.
       ValueError: if there is no state inside, or more than one (nested wraps).
 
     Examples:
@@ -48,6 +49,12 @@ def find(value: Any, name: str) -> LossScale:
     """`get_loss_scale(value)`, naming the argument `name` in its errors."""
     if isinstance(value, LossScale):
         return value
+    if isinstance(value, optax.GradientTransformation):
+        raise TypeError(
+            f"`{name}` is an optax transformation (the optimizer), not its state."
+            " Pass the state the step carries: what `tx.init(params)` returned,"
+            " as updated by `tx.update`."
+        )
     # A per-step function that created a state from a spec would work from a
     # fresh one, not the optimizer's: after a back-off, a fresh dynamic scale is
     # 2**15 while the optimizer unscales by 2**14, a silently wrong step.
@@ -68,6 +75,24 @@ def find(value: Any, name: str) -> LossScale:
             " `lossscale.StaticLossScale(...)`."
         )
     return _the_one(find_all(value), value, name)
+
+
+def scale_to_evaluate_at(value: Any, name: str, owner: str) -> Any:
+    """A number `value` as is, else the state in it: for functions asking "what if".
+
+    `grad_stats` and `locate_overflow` evaluate at a scale, so a number is a
+    question there, not a state to create; a string or None is neither.
+    """
+    if checks.is_number(value):
+        return value
+    if value is None or isinstance(value, str):
+        raise TypeError(
+            f"`{name}` of `{owner}` is the scale to evaluate at: a positive number"
+            " (e.g. `2.0**15`), or a loss-scale state or a tree holding one (the"
+            f" optimizer state, for its current scale); got {value!r}, which"
+            " describes a loss scale to create, not a scale."
+        )
+    return find(value, name)
 
 
 def find_all(tree: Any) -> list[tuple[Any, LossScale]]:

@@ -71,7 +71,7 @@ def _first_nonfinite(optimizer, grads, state, params) -> str | None:
     closed = jax.make_jaxpr(optimizer.update)(grads, state, params)
     found: list[str] = []
 
-    def visit(eqn, inputs, outputs, marked, calls):
+    def visit(eqn, inputs, outputs, tags, calls):
         if not found and interpret._produced(inputs, outputs):
             place, function = interpret.source(eqn, _NOT_OPTAX, calls)
             where = ""

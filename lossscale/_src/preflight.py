@@ -72,7 +72,9 @@ def preflight(
       >>> print(sorted(report.codes), report.scale)
       ['gradient-overflow', 'loss-in-half'] 4096.0
     """
-    problem = Program.build(loss_fn, params, args, {}, has_aux)
+    problem = Program.build(
+        loss_fn, params, args, {}, has_aux, "preflight(loss_fn, params, x, y)"
+    )
     _refuse_traced(params, args, loss_scale)
     if optimizer is not None:
         checks.check_transformation(optimizer, "optimizer")

@@ -98,7 +98,13 @@ class Probe:
             # own; the indices of the measured values it comes from)
             lineage: dict[int, tuple[Any, frozenset[int]]] = {}
 
-            def visit(eqn, inputs, outputs, is_marked, calls):
+            def visit(eqn, inputs, outputs, tags, calls):
+                # A value computed from the scale is the backward pass's.
+                is_marked = any(tags)
+                measure(eqn, inputs, outputs, is_marked, calls)
+                return [is_marked] * len(outputs)
+
+            def measure(eqn, inputs, outputs, is_marked, calls):
                 halves = [v for v in outputs if getattr(v, "dtype", None) == F16]
                 if is_marked:
                     self.dtypes.update(
@@ -124,7 +130,7 @@ class Probe:
                 for value in outputs:
                     lineage[id(value)] = (value, measured.get(id(value), upstream))
 
-            outputs = interpret.walk(closed, args, visit, marked=marked)
+            outputs, _ = interpret.walk(closed, args, visit, tags=marked)
             return outputs, _peaks(values), _peaks(backward)
 
         self._compiled = (

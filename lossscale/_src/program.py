@@ -2,13 +2,15 @@
 
 `locate_overflow` and `preflight` differentiate the floating-point array leaves of
 `params` (an Equinox model's functions, or integer leaves, are held fixed) and pass
-the array leaves of the other arguments (the batch: integers and keys included) as
-inputs, so that a traced program takes exactly those arrays.
+the array leaves of the other arguments, positional and keyword (the batch:
+integers and keys included), as inputs, so that a traced program takes exactly
+those arrays and an inf or NaN among them can be named.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import checks
+from lossscale._src import grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,12 +27,13 @@ class Program:
 
     loss_fn: Callable[..., Any]
     has_aux: bool
-    kwargs: dict[str, Any]
     paths: list[str]  # keystr of every leaf of `params`, None counted
     leaves: list[Any]
     treedef: Any
     differentiated: list[int]  # positions of the floating-point arrays
-    arg_leaves: list[Any]
+    arg_count: int  # len(args)
+    arg_leaves: list[Any]  # of `(args, kwargs)`
+    arg_keys: list[tuple[Any, ...]]  # their key paths
     arg_tree: Any
     arrays: list[int]  # positions of the arrays among `arg_leaves`
 
@@ -42,14 +45,20 @@ class Program:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         has_aux: Any,
+        example: str,
     ) -> Program:
-        """Checks the arguments and splits them; raises naming the bad one."""
+        """Checks the arguments and splits them; raises naming the bad one.
+
+        `example` is the call that takes them, as the error shows it
+        (`"locate_overflow(loss_fn, params, x, y, loss_scale=...)"`).
+        """
         if not callable(loss_fn):
             raise TypeError(
                 f"`loss_fn` must be callable, got {type(loss_fn).__name__}."
             )
         if not isinstance(has_aux, bool):
             raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
+        _check_call(loss_fn, params, args, kwargs, example)
         paths, leaves, treedef = flatten_with_paths(params)
         differentiated = [i for i, leaf in enumerate(leaves) if inexact_array(leaf)]
         if not differentiated:
@@ -57,11 +66,14 @@ class Program:
                 "`params` has no floating-point array to differentiate; pass what the"
                 " train step differentiates (the parameters, or the model)."
             )
-        arg_leaves, arg_tree = jax.tree.flatten(args)
+        # The batch's arrays are traced too (keyword arguments included), so that
+        # an inf or NaN in the data is named as such, not blamed on the first op.
+        with_keys, arg_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        arg_leaves = [leaf for _, leaf in with_keys]
         arrays = [i for i, leaf in enumerate(arg_leaves) if is_array(leaf)]
         return cls(
-            loss_fn, has_aux, kwargs, paths, leaves, treedef, differentiated,
-            arg_leaves, arg_tree, arrays,
+            loss_fn, has_aux, paths, leaves, treedef, differentiated, len(args),
+            arg_leaves, [key for key, _ in with_keys], arg_tree, arrays,
         )  # fmt: skip
 
     @property
@@ -79,6 +91,13 @@ class Program:
         """The paths of the differentiated leaves."""
         return [self.paths[i] for i in self.differentiated]
 
+    def input_names(self) -> list[str]:
+        """The names of `[*diff, *batch]`: argument name and path (`"batch['x']"`)."""
+        names = _parameter_names(self.loss_fn, self.arg_count)
+        return [f"{names[0]}{path}" for path in self.diff_paths] + [
+            _argument_name(self.arg_keys[i], names) for i in self.arrays
+        ]
+
     def params(self, diff: list[Any]) -> Any:
         """`params` with `diff` in place of its floating-point arrays."""
         return _rebuild(diff, self.differentiated, self.leaves, self.treedef)
@@ -94,21 +113,9 @@ class Program:
 
     def loss(self, diff: list[Any], batch: list[Any]) -> tuple[jax.Array, Any]:
         """`(loss, aux)` of `loss_fn` (aux None without `has_aux`), checked."""
-        out = self.loss_fn(
-            self.params(diff),
-            *_rebuild(batch, self.arrays, self.arg_leaves, self.arg_tree),
-            **self.kwargs,
-        )
-        if self.has_aux:
-            if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise TypeError(
-                    "With `has_aux=True`, `loss_fn` must return a pair `(loss, aux)`;"
-                    f" got {type(out).__name__}."
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
-        return checks.check_loss(loss, "loss_fn(params, ...)"), aux
+        args, kwargs = _rebuild(batch, self.arrays, self.arg_leaves, self.arg_tree)
+        out = self.loss_fn(self.params(diff), *args, **kwargs)
+        return grad.split_loss(out, self.has_aux, "loss_fn", "loss_fn(params, ...)")
 
 
 def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -157,3 +164,41 @@ def is_array(leaf: Any) -> bool:
 def inexact_array(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point (or complex) array."""
     return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def _check_call(loss_fn: Any, params: Any, args: tuple, kwargs: dict, example: str):
+    """Raises `TypeError` if `loss_fn(params, *args, **kwargs)` cannot bind."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read: the call decides
+        return
+    try:
+        signature.bind(params, *args, **kwargs)
+    except TypeError as error:
+        raise TypeError(
+            f"`loss_fn{signature}` cannot take `(params, *args, **kwargs)` as"
+            f" given ({len(args)} positional argument(s) after `params`, keywords"
+            f" {sorted(kwargs)}): {error}. Pass its arguments as the train step"
+            f" does: `{example}` for `loss_fn(params, x, y)`."
+        ) from None
+
+
+def _parameter_names(loss_fn: Callable[..., Any], count: int) -> list[str]:
+    """The names `loss_fn` gives `params` and its `count` further arguments."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        parameters = []
+    positional = [
+        p.name
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    defaults = ["params"] + [f"args[{i}]" for i in range(count)]
+    return positional[: count + 1] + defaults[len(positional) :]
+
+
+def _argument_name(path: tuple[Any, ...], names: list[str]) -> str:
+    """A leaf of `(args, kwargs)` by its argument's name and its path inside it."""
+    which, key, inside = path[0].idx, path[1], jax.tree_util.keystr(path[2:])
+    return f"{names[key.idx + 1] if which == 0 else key.key}{inside}"

@@ -1,4 +1,4 @@
-"""The guarded step: check the gradients, then apply or skip under one `lax.cond`.
+"""The guarded step: check the gradients, then apply or skip the step.
 
 `wrap`, `apply_gradients`, `lossscale.flax.TrainState` and
 `lossscale.flax.Optimizer` (through `wrap`) all run `guarded_step`.
@@ -6,16 +6,19 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from lossscale._src import checks
 from lossscale._src import numerics
-from lossscale._src.update import update
 from lossscale._src.base import LossScale
+from lossscale._src.update import update
 
 
 def guarded_step(
@@ -30,14 +33,17 @@ def guarded_step(
     """One loss-scaled step.
 
     1. Checks, in one pass over `grads`, whether the unscaled gradients are all
-       finite (with `clip_norm`, their global norm is the check), and whether
-       the loss `value` is (when given); agrees on both over `axis_name`.
-    2. Under one `jax.lax.cond`: either `applied_step(unscaled_grads, carry)`,
-       returning `(output, new_carry)`, where the unscaling (and clipping) fuses
-       into the step; or the skip, returning negative zeros shaped like `output`
-       (`p + (-0.0)` is `p` bit for bit) and `carry` untouched. Flax's fp8
-       collection is split off by the caller (`fp8.split`) before: it takes no
-       part in the check or the unscaling.
+       finite and which leaf is first not to be (with `clip_norm`, their global
+       norm is the check), and whether the loss `value` is (when given); agrees
+       on all three over `axis_name`, in one collective.
+    2. Either `applied_step(unscaled_grads, carry)`, returning `(output,
+       new_carry)`, where the unscaling (and clipping) fuses into the step; or the
+       skip: negative zeros shaped like `output` (`p + (-0.0)` is `p` bit for bit)
+       and `carry` untouched. On XLA:CPU a `jax.lax.cond` chooses, so a skipped
+       step costs nothing; elsewhere a select, which XLA:GPU and the TPU compiler
+       fuse into the step's own pass (design.md, "A cond on the CPU, a select
+       elsewhere"). Flax's fp8 collection is split off by the caller
+       (`fp8.split`) before: it takes no part in the check or the unscaling.
     3. Updates the loss-scale state: the unscaling used the scale the loss was
        multiplied by, the next step uses the new one.
 
@@ -54,87 +60,98 @@ def guarded_step(
       `(output, carry, loss_scale, applied)`.
     """
     checks.check_gradients(grads, params)
-    grads_finite, loss_finite, norm, checked = _finite_flags(
-        grads, params, loss_scale, value, options
+    checks.check_axis_bound(
+        options.axis_name, "the step (`wrap`'s `update`, `apply_gradients`, ...)"
     )
-    applied = grads_finite & loss_finite
-
-    # The skip must match the applied branch's output types: the step may change
-    # dtypes (float16 gradients, float32 updates), which is where
-    # `optax.apply_if_finite` fails. `lax.cond` traces the applied branch first,
-    # which records them; otherwise (another JAX) the skip traces it once more.
-    applied_types = []
-
-    def apply_branch(operands):
-        grads, carry = operands
-        grads = numerics.unscale(grads, loss_scale, params)
-        if options.clip_norm is not None:
-            grads = numerics.clip_to_norm(grads, norm, options.clip_norm)
-        result = applied_step(grads, carry)
-        # From the abstract values: `ShapeDtypeStruct.like` of a tracer asks for
-        # its sharding, which costs a walk of the whole trace per leaf.
-        applied_types.append(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct.like(jax.typeof(x)), result)
-        )
-        return result
-
-    def skip_branch(operands):
-        if not applied_types:
-            jax.eval_shape(apply_branch, operands)
-        output_types, carry_types = applied_types[-1]
-        checks.check_same_types(carry_types, operands[1])
-        # `full_like` of the applied types also keeps their `shard_map` typing
-        # (which mapped axes the values vary over).
-        zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
-        # Where it overflowed: the first leaf the check flagged. With
-        # `clip_norm` the norm was the check, so the flags are computed here.
-        flagged = checked
-        if flagged is None:
-            flagged = numerics.checked_after_unscaling(operands[0], loss_scale, params)
-        leaf = first_everywhere(flagged.first_nonfinite(), options.axis_name)
-        return (zeros, operands[1]), leaf + like_applied
-
-    def applied_branch(operands):
-        return apply_branch(operands), like_applied - 1  # unused
-
-    # Both branches' index takes `applied`'s `shard_map` typing (the devices it
-    # varies over), which the skip's, computed from the same gradients, has too.
-    like_applied = jnp.zeros_like(applied, jnp.int32)
-    operands = (grads, carry)
-    (output, carry), leaf = jax.lax.cond(applied, applied_branch, skip_branch, operands)
-    loss_scale = update(loss_scale, grads_finite, loss_finite)
-    overflow_leaf = jnp.where(applied, loss_scale.overflow_leaf, leaf)
-    return output, carry, loss_scale.replace(overflow_leaf=overflow_leaf), applied
-
-
-def _finite_flags(
-    grads: Any,
-    params: Any,
-    loss_scale: LossScale,
-    value: Any,
-    options: checks.StepOptions,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, numerics.Checked | None]:
-    """Whether the unscaled gradients and the loss are finite; the norm; the check.
-
-    The check's per-leaf flags name the leaf on a skipped step; with `clip_norm`
-    the norm is the check, and there are none (None).
-    """
+    checked = numerics.check(
+        grads, loss_scale, params, norm=options.clip_norm is not None
+    )
     if value is None:
         loss_finite = jnp.asarray(True)
     else:
         loss_finite = jnp.isfinite(checks.check_loss(value, "value"))
-    if options.clip_norm is None:
-        norm = None
-        checked = numerics.checked_after_unscaling(grads, loss_scale, params)
-        grads_finite = checked.finite
-    else:
-        norm = numerics.norm_after_unscaling(grads, loss_scale, params)
-        checked = None
-        grads_finite = jnp.isfinite(norm)
-    grads_finite, loss_finite = agree(
-        jnp.stack([grads_finite, loss_finite]), options.axis_name
+    grads_finite, loss_finite, first = agree_with_index(
+        checked.finite, loss_finite, checked.first, options.axis_name
     )
-    return grads_finite, loss_finite, norm, checked
+    applied = grads_finite & loss_finite
+
+    def apply(grads, carry):
+        grads = numerics.unscale(grads, loss_scale, params)
+        if options.clip_norm is not None:
+            grads = numerics.clip_to_norm(grads, checked.norm, options.clip_norm)
+        return applied_step(grads, carry)
+
+    # Traced once, whichever backend's form is lowered (design.md, "The step").
+    step = _traced_once(apply, grads, carry)
+    select = functools.partial(_select, applied, step)
+    output, carry = numerics.per_backend(
+        grads,
+        carry,
+        cpu=functools.partial(_cond, applied, step),
+        gpu=select,
+        tpu=select,
+    )
+    loss_scale = update(loss_scale, grads_finite, loss_finite)
+    overflow_leaf = jnp.where(applied, loss_scale.overflow_leaf, first)
+    return output, carry, loss_scale.replace(overflow_leaf=overflow_leaf), applied
+
+
+class _Traced(NamedTuple):
+    """A step traced once to a jaxpr: `run` evaluates it, `types` its outputs."""
+
+    run: Callable[[Any, Any], Any]
+    types: Any
+
+
+def _traced_once(apply: Callable, grads: Any, carry: Any) -> _Traced:
+    """`apply` traced once: both forms of the step then evaluate its jaxpr.
+
+    `lax.platform_dependent` traces every backend's form; tracing the inner update
+    once (optax's Python) and evaluating its jaxpr in each costs less than tracing
+    it in each.
+    """
+    closed, shapes = jax.make_jaxpr(apply, return_shape=True)(grads, carry)
+    evaluate = jax.extend.core.jaxpr_as_fun(closed)
+    out_tree = jax.tree.structure(shapes)
+    # From the abstract values, which keep the `shard_map` typing (which mapped
+    # axes the values vary over) that the skip's zeros must have too.
+    types = out_tree.unflatten(
+        [jax.ShapeDtypeStruct.like(aval) for aval in closed.out_avals]
+    )
+
+    def run(grads, carry):
+        return out_tree.unflatten(evaluate(*jax.tree.leaves((grads, carry))))
+
+    return _Traced(run, types)
+
+
+def _cond(applied: jax.Array, step: _Traced, grads: Any, carry: Any) -> Any:
+    """The step under `jax.lax.cond`: a skipped step does none of its work."""
+    return jax.lax.cond(
+        applied,
+        lambda operands: step.run(*operands),
+        lambda operands: _skipped(step.types, operands[1]),
+        (grads, carry),
+    )
+
+
+def _select(applied: jax.Array, step: _Traced, grads: Any, carry: Any) -> Any:
+    """The step, then a select between its result and the skip's, leaf by leaf."""
+    result = step.run(grads, carry)
+    skipped = _skipped(step.types, carry)
+    return jax.tree.map(lambda a, b: jnp.where(applied, a, b), result, skipped)
+
+
+def _skipped(types: Any, carry: Any) -> Any:
+    """What a skipped step returns: negative zeros for the output, `carry` as is.
+
+    The step may change dtypes (float16 gradients, float32 updates), which is
+    where `optax.apply_if_finite` fails: the zeros take the applied types.
+    """
+    output_types, carry_types = types
+    checks.check_same_types(carry_types, carry)
+    zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
+    return zeros, carry
 
 
 def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
@@ -147,10 +164,25 @@ def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
     return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1
 
 
-def first_everywhere(index: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
-    """The smallest leaf index over the devices of `axis_name`; -1 (none) is last."""
+def agree_with_index(
+    grads_finite: jax.Array,
+    loss_finite: jax.Array,
+    first: jax.Array,
+    axis_name: checks.AxisName | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The flags agreed over `axis_name`, and the smallest leaf index (-1: none).
+
+    All three in one scalar collective.
+    """
     if axis_name is None:
-        return index
+        return grads_finite, loss_finite, first
     none = jnp.iinfo(jnp.int32).max
-    first = jax.lax.pmin(jnp.where(index < 0, jnp.int32(none), index), axis_name)
-    return jnp.where(first == none, jnp.int32(-1), first)
+    values = jnp.stack(
+        [
+            grads_finite.astype(jnp.int32),
+            loss_finite.astype(jnp.int32),
+            jnp.where(first < 0, jnp.int32(none), first),
+        ]
+    )
+    grads_finite, loss_finite, first = jax.lax.pmin(values, axis_name)
+    return grads_finite == 1, loss_finite == 1, jnp.where(first == none, -1, first)

@@ -36,9 +36,11 @@ def update(
       The next loss-scale state, with the same settings and tree structure.
 
     Raises:
-      TypeError: if `loss_scale` is not a loss-scale state, `grads_finite` or
-        `loss_finite` is not boolean, or the kind's `rule` returns something
-        other than a state of the same kind, settings and leaf types.
+      TypeError: if `loss_scale` is not a loss-scale state (an optimizer state:
+        use `get_loss_scale`), `grads_finite` or `loss_finite` is not boolean
+        (the gradients or the loss themselves: the message says how to reduce
+        them), or the kind's `rule` returns something other than a state of
+        the same kind, settings and leaf types.
       ValueError: if `grads_finite` or `loss_finite` is not a scalar.
 
     Examples:
@@ -55,8 +57,10 @@ def update(
             f" `DynamicLossScale`), got {type(loss_scale).__name__}. To read one out"
             " of an optimizer state, use `lossscale.get_loss_scale(opt_state)`."
         )
-    grads_finite = checks.as_predicate("grads_finite", grads_finite)
-    loss_finite = checks.as_predicate("loss_finite", loss_finite)
+    grads_finite = checks.as_predicate(
+        "grads_finite", grads_finite, "lossscale.all_finite(grads)"
+    )
+    loss_finite = checks.as_predicate("loss_finite", loss_finite, "jnp.isfinite(loss)")
     ruled = _ruled(loss_scale, grads_finite)
     applied = grads_finite & loss_finite
     backward_overflow = loss_finite & ~grads_finite

@@ -1,0 +1,108 @@
+"""lossscale 0.2's names: working aliases that warn, or errors naming 0.3's spelling.
+
+Per name, `docs/migration/lossscale_0_2.md` says which: an alias where 0.2's call
+means one thing in 0.3 (a `DeprecationWarning` naming the new spelling, pointed at
+the caller's line), an error where an alias would be wrong (a 0.2 kind's class body
+cannot run in 0.3: its fields need annotations, and its `__init__` is gone).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from typing import Any
+
+MIGRATION = "docs/migration/lossscale_0_2.md"
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def warn(message: str) -> None:
+    """A `DeprecationWarning` attributed to the first caller outside lossscale."""
+    # Python 3.11 has no `skip_file_prefixes`: count the package's own frames.
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        _PACKAGE + os.sep
+    ):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(
+        f"{message} (lossscale 0.2's spelling; see {MIGRATION})",
+        DeprecationWarning,
+        stacklevel=level,
+    )
+
+
+def accept_0_2_arguments(cls: type, renamed: dict[str, str], order: tuple):
+    """Wraps `cls.__init__` to take 0.2's keywords and positions, with a warning.
+
+    Unambiguous: 0.3 has no argument of those names, and takes fewer positions.
+    """
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):  # noqa: N807
+        for old, new in renamed.items():
+            if old in kwargs and new not in kwargs:
+                warn(f"`{cls.__name__}({old}=...)` is `{cls.__name__}({new}=...)`")
+                kwargs[new] = kwargs.pop(old)
+        extra = order[1 : len(args)]
+        if len(args) > 1 and len(args) <= len(order) and not set(extra) & set(kwargs):
+            names = ", ".join(f"{name}=..." for name in extra)
+            warn(f"`{cls.__name__}` takes its settings by keyword: pass {names}")
+            kwargs.update(zip(extra, args[1:], strict=True))
+            args = args[:1]
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
+    """0.2's `lossscale.select_tree`: `optax.tree_utils.tree_where`, with a warning."""
+    import optax
+
+    from lossscale._src import checks
+
+    warn(
+        "`lossscale.select_tree(pred, a, b)` is"
+        " `optax.tree_utils.tree_where(pred, a, b)`"
+    )
+    return optax.tree_utils.tree_where(
+        checks.as_predicate("pred", pred), on_true, on_false
+    )
+
+
+def module_attribute(name: str) -> Any:
+    """`lossscale.<name>` for a name 0.2 had and 0.3 does not."""
+    if name == "select_tree":
+        return select_tree
+    if name == "LossScaleLike":
+        from lossscale._src import kinds
+
+        warn(
+            "`lossscale.LossScaleLike` is gone: annotate with `lossscale.LossScale"
+            " | float | str | None`"
+        )
+        return kinds.LossScaleLike
+    if name == "setting":
+        raise AttributeError(
+            "`lossscale.setting()` is gone: declare a setting in a kind's class body"
+            " as `name: float = lossscale.field(static=True, default=...)` (an"
+            f" annotation and a default; see {MIGRATION})."
+        )
+    raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
+
+
+# A state's attributes by 0.2's names, and their 0.3 names.
+_RENAMED_ATTRIBUTES = {"lowest_scale": "min_scale", "highest_scale": "max_scale"}
+
+
+def state_attribute(state: Any, name: str) -> Any:
+    """`state.<name>` for an attribute 0.2's states had under another name."""
+    new = _RENAMED_ATTRIBUTES.get(name)
+    if new is None:
+        raise AttributeError(
+            f"{type(state).__name__!r} object has no attribute {name!r}"
+        )
+    warn(f"`state.{name}` is `state.{new}`")
+    return getattr(state, new)
