@@ -4,6 +4,7 @@ Multiply the loss by a scale before differentiating (`scale_loss`), divide the
 gradients by it afterwards (`unscale_grads`), and skip the steps whose gradients
 overflow while the scale adapts (`update`). `wrap` does all of it around any optax
 transformation, and `apply_gradients` does the whole optimizer step in one call.
+Before the first step, `preflight` says what in a float16 program will fail.
 Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
@@ -15,6 +16,8 @@ from lossscale._src.checkpoints import from_checkpoint_0_2
 from lossscale._src.diagnostics import grad_stats
 from lossscale._src.diagnostics import metrics
 from lossscale._src.fields import field
+from lossscale._src.findings import Finding
+from lossscale._src.findings import PreflightReport
 from lossscale._src.functional import all_finite
 from lossscale._src.functional import scale_loss
 from lossscale._src.functional import unscale_grads
@@ -26,6 +29,8 @@ from lossscale._src.leaf_path import leaf_path
 from lossscale._src.locate import OverflowReport
 from lossscale._src.locate import locate_overflow
 from lossscale._src.lookup import get_loss_scale
+from lossscale._src.preflight import preflight
+from lossscale._src.step_check import preflight_step
 from lossscale._src.update import update
 from lossscale._src.wrapper import WrapState
 from lossscale._src.wrapper import wrap
@@ -34,9 +39,11 @@ __version__ = "0.3.0.dev0"
 
 __all__ = (
     "DynamicLossScale",
+    "Finding",
     "LossScale",
     "NoOpLossScale",
     "OverflowReport",
+    "PreflightReport",
     "StaticLossScale",
     "WrapState",
     "all_finite",
@@ -50,6 +57,8 @@ __all__ = (
     "leaf_path",
     "locate_overflow",
     "metrics",
+    "preflight",
+    "preflight_step",
     "scale_loss",
     "unscale_grads",
     "update",

@@ -280,6 +280,15 @@ class ReferenceDynamicRule:
         return False
 
 
+def line_of(path, marker):
+    """`"path:line"` of the line of file `path` that ends with `# marker`."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.rstrip().endswith(f"# {marker}"):
+                return f"{path}:{number}"
+    raise AssertionError(marker)
+
+
 CONTINUES = "# Continues the"
 
 

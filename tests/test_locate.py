@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import flax.linen as nn
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,11 +17,7 @@ SCALE = 1024.0
 
 def line_of(marker):
     """`"this file:line"` of the line ending with `# marker`."""
-    with open(__file__) as f:
-        for number, line in enumerate(f, start=1):
-            if line.rstrip().endswith(f"# {marker}"):
-                return f"{__file__}:{number}"
-    raise AssertionError(marker)
+    return helpers.line_of(__file__, marker)
 
 
 def two_leaf_loss(params, x, y):
@@ -423,3 +420,16 @@ def test_a_string_or_none_as_the_scale_says_what_it_takes(loss_scale):
         lossscale.locate_overflow(
             two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=loss_scale
         )
+
+
+def test_an_overflow_inside_a_library_jit_is_named_at_the_users_line():
+    # `jnp.cumsum` is jitted: the traceback of the op inside it starts at the jit's
+    # boundary, so the line is the enclosing call's, the user's.
+    def loss_fn(params, x):
+        total = jnp.cumsum(x.astype(F16) * params["a"].astype(F16))  # cumsum-line
+        return jnp.sum(total.astype(jnp.float32))
+
+    x = jnp.full(8, 10000.0)  # the running sum passes 65504 at the 7th element
+    report = lossscale.locate_overflow(loss_fn, {"a": jnp.ones(8)}, x, loss_scale=1.0)
+    assert report.kind == "forward" and report.op == "cumsum"
+    assert report.source == line_of("cumsum-line")

@@ -5,7 +5,8 @@ infs, and an overflow is an inf before it is a NaN (`jnp.exp` of float16 20.0
 passes them; docs/design.md, "Locating an overflow"). So `locate_overflow`
 evaluates the jaxpr of the scaled loss's `value_and_grad` equation by
 equation, as `jax.core.eval_jaxpr` does, and follows each inf or NaN back to
-the equation, or the input, it came from.
+the equation, or the input, it came from (`run`). `preflight` walks the same
+way (`walk`), measuring values instead.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core
 
@@ -76,59 +79,84 @@ def run(closed: Any, args: list[Any]) -> Run:
         sources.append(source)
         return len(sources) - 1
 
-    def evaluate(jaxpr, consts, values, origins, backward):
+    def visit(eqn, inputs, outputs, in_origins, calls):
+        return _origins(outputs, in_origins, lambda: new_source(_producer(eqn, calls)))
+
+    origins = [
+        new_source(position) if nonfinite(arg) else None
+        for position, arg in enumerate(args)
+    ]
+    outputs, out_origins = walk(closed, list(args), visit, tags=origins)
+    return Run(outputs, out_origins, sources)
+
+
+def walk(
+    closed: Any,
+    args: list[Any],
+    visit: Callable[[Any, list[Any], list[Any], list[Any], tuple[Any, ...]], Any],
+    *,
+    tags: Sequence[Any] = (),
+    descend: Callable[[], bool] = lambda: True,
+    branches: bool = False,
+) -> tuple[list[Any], list[Any]]:
+    """Evaluates `closed` on `args` one equation at a time.
+
+    Calls `visit(eqn, inputs, outputs, input_tags, calls)` after each equation
+    it binds, eagerly or under a trace (`jax.jit` of a function that calls
+    `walk`); `calls` are the call equations it is inside, outermost first.
+    Every value carries a tag: `tags` are the first of `args`' (the rest, the
+    constants and literals have None), and `visit` returns its outputs' (a
+    list; None for all None). So a tag follows values through the calls it
+    goes inside, those of `_CALLS` while `descend()` is true. With `branches`,
+    it also goes inside the branch a `cond` takes, when its index is concrete
+    (evaluating eagerly). Returns the outputs and their tags.
+    """
+
+    def evaluate(jaxpr, consts, values, in_tags, calls):
         env = {}
 
         def read(var):
             return (var.val, None) if isinstance(var, core.Literal) else env[var]
 
-        env.update(
-            (var, (const, None))
-            for var, const in zip(jaxpr.constvars, consts, strict=True)
-        )
-        env.update(
-            (var, (value, origin))
-            for var, value, origin in zip(jaxpr.invars, values, origins, strict=True)
-        )
+        env.update(zip(jaxpr.constvars, [(c, None) for c in consts], strict=True))
+        env.update(zip(jaxpr.invars, zip(values, in_tags, strict=True), strict=True))
         for eqn in jaxpr.eqns:
             pairs = [read(var) for var in eqn.invars]
             inputs = [value for value, _ in pairs]
-            in_origins = [origin for _, origin in pairs]
-            # Inside a transposed call every equation is in the backward pass,
-            # though its own name stack starts afresh.
-            in_backward = backward or _transposed(eqn)
+            input_tags = [tag for _, tag in pairs]
             sub = _sub_jaxpr(eqn, len(inputs))
-            if sub is not None:
-                outputs, out_origins = evaluate(
-                    sub.jaxpr, sub.consts, inputs, in_origins, in_backward
+            operands, operand_tags = inputs, input_tags
+            if branches and eqn.primitive.name == "cond":
+                sub, operands, operand_tags = _branch(eqn, inputs, input_tags)
+            if sub is not None and descend():
+                outputs, output_tags = evaluate(
+                    sub.jaxpr, sub.consts, operands, operand_tags, (*calls, eqn)
                 )
             else:
                 with eqn.ctx.manager:
                     outputs = eqn.primitive.bind(*inputs, **_bind_params(eqn))
                 if not eqn.primitive.multiple_results:
                     outputs = [outputs]
-                out_origins = _origins(
-                    outputs,
-                    in_origins,
-                    lambda: new_source(_producer(eqn, in_backward)),  # noqa: B023
-                )
-            env.update(
-                (var, (value, origin))
-                for var, value, origin in zip(
-                    eqn.outvars, outputs, out_origins, strict=True
-                )
-            )
+                output_tags = visit(eqn, inputs, outputs, input_tags, calls)
+                if output_tags is None:
+                    output_tags = [None] * len(outputs)
+            pairs = zip(outputs, output_tags, strict=True)
+            env.update(zip(eqn.outvars, pairs, strict=True))
         pairs = [read(var) for var in jaxpr.outvars]
-        return [value for value, _ in pairs], [origin for _, origin in pairs]
+        return [value for value, _ in pairs], [tag for _, tag in pairs]
 
-    origins = [
-        new_source(position) if nonfinite(arg) else None
-        for position, arg in enumerate(args)
-    ]
-    outputs, out_origins = evaluate(
-        closed.jaxpr, closed.consts, list(args), origins, False
-    )
-    return Run(outputs, out_origins, sources)
+    padded = list(tags) + [None] * (len(args) - len(tags))
+    return evaluate(closed.jaxpr, closed.consts, list(args), padded, ())
+
+
+def _branch(eqn: Any, inputs: list, tags: list) -> tuple[Any, list, list]:
+    """The branch a `cond` takes and its operands; `(None, ...)` if traced."""
+    index = inputs[0]
+    if isinstance(index, jax.core.Tracer):
+        return None, inputs, tags
+    branches = eqn.params["branches"]
+    chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
+    return chosen, inputs[1:], tags[1:]
 
 
 def _origins(
@@ -178,6 +206,10 @@ def nonfinite(value: Any) -> bool:
     return not bool(np.isfinite(np.asarray(value)).all())
 
 
+def _produced(inputs: list[Any], outputs: list[Any]) -> bool:
+    return any(nonfinite(x) for x in outputs) and not any(nonfinite(x) for x in inputs)
+
+
 def _transposed(eqn: Any) -> bool:
     """Whether `eqn` was made by transposing (the backward pass of `grad`).
 
@@ -191,20 +223,44 @@ def _transposed(eqn: Any) -> bool:
     )
 
 
-def _producer(eqn: Any, backward: bool) -> Producer:
-    frame = _user_frame(eqn.source_info.traceback)
+def _producer(eqn: Any, calls: tuple[Any, ...]) -> Producer:
+    place, function = source(eqn, calls=calls)
     return Producer(
         op=eqn.primitive.name,
-        backward=backward,
-        source=None if frame is None else f"{frame.file_name}:{frame.line_num}",
-        function=None if frame is None else frame.function_name,
+        # Inside a transposed call every equation is in the backward pass,
+        # though its own name stack starts afresh.
+        backward=any(_transposed(e) for e in (*calls, eqn)),
+        source=place,
+        function=function,
     )
 
 
-def _library_dirs() -> tuple[str, ...]:
-    """Where the libraries a model is built with live: their frames are skipped."""
+# The libraries a model is built with: their frames are not the user's line.
+LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "optax", "haiku")
+
+
+def source(
+    eqn: Any, libraries: tuple[str, ...] = LIBRARIES, calls: tuple[Any, ...] = ()
+) -> tuple[str | None, str | None]:
+    """`("file:line", function)` of the innermost frame outside `libraries`.
+
+    The line of the user's code that called the op (lossscale's own frames and
+    the standard library's are skipped too). A traceback inside a jitted
+    function starts at its boundary, so an op inside a library's (`jnp.cumsum`)
+    has no user frame: then the innermost of the enclosing `calls` that has
+    one gives it. `(None, None)` if none does.
+    """
+    for candidate in (eqn, *reversed(calls)):
+        frame = _user_frame(candidate.source_info.traceback, libraries)
+        if frame is not None:
+            return f"{frame.file_name}:{frame.line_num}", frame.function_name
+    return None, None
+
+
+def _library_dirs(libraries: tuple[str, ...]) -> tuple[str, ...]:
+    """Where `libraries` (and lossscale/_src) live: their frames are skipped."""
     dirs = [os.path.dirname(__file__)]  # lossscale/_src, not the user's tests
-    for name in ("jax", "jaxlib", "flax", "equinox", "optax", "haiku"):
+    for name in libraries:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):
             dirs.append(os.path.dirname(module.__file__))
@@ -217,11 +273,11 @@ def _standard_library(file_name: str) -> bool:
     return file_name.startswith(stdlib) and "-packages" not in file_name
 
 
-def _user_frame(traceback: Any) -> Any:
-    """The innermost frame of the user's code: the line that called the op."""
+def _user_frame(traceback: Any, libraries: tuple[str, ...] = LIBRARIES) -> Any:
+    """The innermost frame outside `libraries`: the line that called the op."""
     if traceback is None:
         return None
-    skip = _library_dirs()
+    skip = _library_dirs(libraries)
     for frame in traceback.frames:
         if not frame.file_name.startswith(skip) and not _standard_library(
             frame.file_name

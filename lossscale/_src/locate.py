@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -13,10 +12,10 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import functional
-from lossscale._src import grad
 from lossscale._src import interpret
 from lossscale._src import kinds
 from lossscale._src import lookup
+from lossscale._src import program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +154,6 @@ def locate_overflow(
       >>> print(report.kind, report.op, report.leaves)
       forward exp ("['w']",)
     """
-    if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     if any(
         isinstance(leaf, jax.core.Tracer)
         for leaf in jax.tree.leaves((params, args, kwargs, loss_scale))
@@ -169,40 +164,20 @@ def locate_overflow(
             " Call it after the step, on the failing batch and the optimizer"
             ' state, e.g. when `metrics(opt_state)["skipped_steps"]` grows.'
         )
-    _check_call(loss_fn, params, args, kwargs)
+    problem = program.Program.build(
+        loss_fn, params, args, kwargs, has_aux,
+        "locate_overflow(loss_fn, params, x, y, loss_scale=...)",
+    )  # fmt: skip
     state = _state(loss_scale)
-    paths, leaves, treedef = _flatten_with_paths(params)
-    differentiated = [i for i, leaf in enumerate(leaves) if _inexact_array(leaf)]
-    if not differentiated:
-        raise ValueError(
-            "`params` has no floating-point array to differentiate; pass what the"
-            " train step differentiates (the parameters, or the model)."
-        )
-    # The batch's arrays are traced too (keyword arguments included), so that an
-    # inf or NaN in the data is named as such, not blamed on the first op.
-    batch_with_paths, batch_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
-    batch_leaves = [leaf for _, leaf in batch_with_paths]
-    arrays = [i for i, leaf in enumerate(batch_leaves) if _array(leaf)]
-
-    def rebuild(values, positions, template, tree):
-        out = list(template)
-        for i, value in zip(positions, values, strict=True):
-            out[i] = value
-        return jax.tree.unflatten(tree, out)
 
     def scaled(diff, batch):
-        call_args, call_kwargs = rebuild(batch, arrays, batch_leaves, batch_tree)
-        out = loss_fn(
-            rebuild(diff, differentiated, leaves, treedef), *call_args, **call_kwargs
-        )
-        loss, _ = grad.split_loss(out, has_aux, "loss_fn", "loss_fn(params, ...)")
+        loss, _ = problem.loss(diff, batch)
         return functional.scale_loss(loss, state), loss
 
     def step(diff, batch):
         return jax.value_and_grad(scaled, has_aux=True)(diff, batch)
 
-    diff = [leaves[i] for i in differentiated]
-    batch = [batch_leaves[i] for i in arrays]
+    diff, batch = problem.diff, problem.batch
     closed, shape = jax.make_jaxpr(step, return_shape=True)(diff, batch)
     found = interpret.run(closed, [*diff, *batch])
     (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), found.outputs)
@@ -221,78 +196,22 @@ def locate_overflow(
     blamed = [loss_origin] if kind == "forward" else [grad_origins[i] for i in bad]
     origins = [origin for origin in blamed if origin is not None]
     source = found.sources[min(origins)] if origins else None
-    names = _input_names(loss_fn, len(args))
-    inputs = [f"{names[0]}{paths[i]}" for i in differentiated] + [
-        _argument_name(batch_with_paths[i][0], names) for i in arrays
-    ]
     producer = source if isinstance(source, interpret.Producer) else None
     return OverflowReport(
         kind=kind,
-        leaves=tuple(paths[differentiated[i]] for i in bad),
+        leaves=tuple(problem.diff_paths[i] for i in bad),
         op=None if producer is None else producer.op,
         source=None if producer is None else producer.source,
         function=None if producer is None else producer.function,
         backward_pass=producer is not None and producer.backward,
         scale=float(state.scale),
         loss=loss,
-        nonfinite_input=inputs[source] if isinstance(source, int) else None,
+        nonfinite_input=(
+            problem.input_names()[source] if isinstance(source, int) else None
+        ),
     )
-
-
-def _flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """`(keystr paths, leaves, treedef)` of `tree`."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
-    return paths, [leaf for _, leaf in with_paths], treedef
-
-
-def _check_call(loss_fn: Any, params: Any, args: tuple, kwargs: dict) -> None:
-    """Raises `TypeError` if `loss_fn(params, *args, **kwargs)` cannot bind."""
-    try:
-        signature = inspect.signature(loss_fn)
-    except (TypeError, ValueError):  # no signature to read: the call decides
-        return
-    try:
-        signature.bind(params, *args, **kwargs)
-    except TypeError as error:
-        raise TypeError(
-            f"`loss_fn{signature}` cannot take `(params, *args, **kwargs)` as"
-            f" given ({len(args)} positional argument(s) after `params`, keywords"
-            f" {sorted(kwargs)}): {error}. Pass its arguments as the train step"
-            " does: `locate_overflow(loss_fn, params, x, y, loss_scale=...)` for"
-            " `loss_fn(params, x, y)`."
-        ) from None
-
-
-def _input_names(loss_fn: Callable[..., Any], count: int) -> list[str]:
-    """The names `loss_fn` gives `params` and its `count` further arguments."""
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin)
-        parameters = []
-    positional = [
-        p.name
-        for p in parameters
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    defaults = ["params"] + [f"args[{i}]" for i in range(count)]
-    return positional[: count + 1] + defaults[len(positional) :]
-
-
-def _argument_name(path: tuple[Any, ...], names: list[str]) -> str:
-    """A leaf of `(args, kwargs)` by its argument's name and its path inside it."""
-    which, key, inside = path[0].idx, path[1], jax.tree_util.keystr(path[2:])
-    return f"{names[key.idx + 1] if which == 0 else key.key}{inside}"
 
 
 def _state(loss_scale: Any) -> Any:
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
     return kinds.StaticLossScale(found) if checks.is_number(found) else found
-
-
-def _array(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
-
-
-def _inexact_array(leaf: Any) -> bool:
-    return _array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)

@@ -1,0 +1,192 @@
+"""The gradients' hazards, from the probe batch's scaled gradients at a few scales.
+
+The probe (`probe.Probe`) measures how far each float16 value of the backward
+pass is from overflowing. The backward pass is linear in the scale, so from one
+finite evaluation follows the scale at which the first float16 value overflows;
+evaluations at twice and four times the candidate confirm it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from lossscale._src import interpret
+from lossscale._src.base import LossScale
+from lossscale._src.findings import Finding
+from lossscale._src.findings import literal
+from lossscale._src.findings import power
+from lossscale._src.kinds import NoOpLossScale
+from lossscale._src.probe import Evaluation
+from lossscale._src.probe import Probe
+from lossscale._src.program import Program
+
+MAX_SCALE = 2.0**24
+# More than 1% of the nonzero gradient values lost to zero is reported.
+UNDERFLOW_LIMIT = 0.01
+# Scales tried, from the top, when the starting scale overflows.
+_FALLBACKS = (2.0**8, 1.0, 2.0**-8, 2.0**-16, 2.0**-24)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """What the gradient probe found, and what the optimizer probe needs."""
+
+    findings: list[Finding]
+    scale: float | None  # `PreflightReport.scale`
+    reference: list[np.ndarray] | None  # unscaled float32 gradients, best scale
+    note: str
+
+
+def check(problem: Program, probe: Probe, start: LossScale) -> Gradients:
+    """Evaluates the gradients at the start and around the largest safe scale."""
+    first = probe(float(start.scale))
+    base = first if first.finite else None
+    for fallback in _FALLBACKS:
+        if base is not None:
+            break
+        if fallback < first.scale and probe(fallback).finite:
+            base = probe(fallback)
+    scale = None if base is None else _largest_safe_scale(probe, base)
+    finite = [e for e in probe.evaluations.values() if e.finite]
+    best = max(finite, key=lambda e: e.scale, default=None)
+    reference = None
+    if best is not None:
+        reference = [np.asarray(g, np.float32) / best.scale for g in best.grads]
+    tried = ", ".join(power(s) for s in sorted(probe.evaluations))
+    note = f"Gradients probed at scales {tried}."
+    findings = _overflow(probe, first, start, scale)
+    if first.finite and best is not None and best.scale > first.scale:
+        findings += _underflow(problem, probe, first, best, start, scale)
+    if "float16" not in probe.dtypes and "bfloat16" in probe.dtypes:
+        if start.min_scale < start.max_scale:
+            findings.append(_bfloat16_dynamic(start))
+    return Gradients(findings, scale, reference, note)
+
+
+def _largest_safe_scale(probe: Probe, base: Evaluation) -> float | None:
+    """The largest power of two <= 2**24 whose double gives finite gradients."""
+    # 2 * scale must stay below the estimated limit: scale < limit / 2.
+    exponent = math.ceil(math.log2(base.limit / 2)) - 1 if base.limit < 2**126 else 24
+    scale = 2.0 ** min(exponent, 24)
+    while not probe(2 * scale).finite:
+        scale /= 2
+        if scale < 2.0**-24:
+            return None
+    # The estimate counts the backward pass's float16 values, even one that
+    # a mask drops before the gradients: try one doubling more.
+    if scale < MAX_SCALE and probe(4 * scale).finite:
+        scale *= 2
+    return scale
+
+
+def _overflow(
+    probe: Probe, first: Evaluation, start: LossScale, scale: float | None
+) -> list[Finding]:
+    if first.finite or not np.isfinite(first.loss):
+        return []
+    where, op = None, "a float16 op"
+    if first.first_overflow is not None:
+        eqn, calls = first.first_overflow
+        where, op = interpret.source(eqn, calls=calls)[0], f"`{eqn.primitive.name}`"
+    if scale is None:
+        advice = (
+            "No scale down to 2**-24 gives finite gradients: compute that op in"
+            " float32."
+        )
+    else:
+        advice = (
+            f"Start the scale at {power(scale)} (`report.scale`), the largest with"
+            " finite gradients at twice it: e.g."
+            f" `lossscale.DynamicLossScale(scale={literal(scale)})`."
+        )
+    return [
+        Finding(
+            code="gradient-overflow",
+            severity="warning",
+            message=(
+                f"The scaled gradients are not finite at the starting scale"
+                f" {power(first.scale)} ({op} overflows float16 in the backward"
+                " pass): a dynamic scale skips batches while it backs off, a"
+                " static one skips every batch."
+            ),
+            where=where,
+            fix=advice,
+        )
+    ]
+
+
+def _underflow(
+    problem: Program,
+    probe: Probe,
+    first: Evaluation,
+    best: Evaluation,
+    start: LossScale,
+    scale: float | None,
+) -> list[Finding]:
+    lost, nonzero = [], 0
+    for ours, theirs in zip(first.grads, best.grads, strict=True):
+        kept = np.asarray(theirs) != 0
+        nonzero += int(kept.sum())
+        lost.append(int((kept & (np.asarray(ours) == 0)).sum()))
+    share = sum(lost) / max(nonzero, 1)
+    if share <= UNDERFLOW_LIMIT:
+        return []
+    where = problem.diff_paths[int(np.argmax(lost))]
+    measured = (
+        f"{share:.1%} of the nonzero gradient values (at {power(best.scale)}, the"
+        f" largest scale probed with finite gradients) are zero at"
+        f" {power(first.scale)}"
+    )
+    target = f"{power(scale)} (`report.scale`)" if scale else power(best.scale)
+    if isinstance(start, NoOpLossScale):
+        if "float16" not in probe.dtypes:
+            return []
+        return [
+            Finding(
+                code="unscaled-half-gradients",
+                severity="error",
+                message=(
+                    f"The backward pass runs in float16 without loss scaling:"
+                    f" {measured}, the most in {where}. The parameters whose gradients"
+                    " are all zero do not train."
+                ),
+                where=where,
+                fix=(
+                    f"Scale the loss, starting at {target}: `lossscale.wrap(inner,"
+                    " loss_scale=lossscale.DynamicLossScale(scale="
+                    f"{literal(scale or best.scale)}))`."
+                ),
+            )
+        ]
+    return [
+        Finding(
+            code="gradient-underflow",
+            severity="warning",
+            message=f"{measured}, the most in {where}.",
+            where=where,
+            fix=(
+                f"Start the scale at {target}, which keeps them:"
+                f" `lossscale.DynamicLossScale(scale={literal(scale or best.scale)})`."
+            ),
+        )
+    ]
+
+
+def _bfloat16_dynamic(start: LossScale) -> Finding:
+    return Finding(
+        code="bfloat16-dynamic-scale",
+        severity="info",
+        message=(
+            f"The backward pass runs in bfloat16 with a {type(start).__name__}:"
+            " bfloat16 has float32's range, so its gradients neither underflow nor"
+            " overflow where float16's do, and the scale only adds work."
+        ),
+        where=None,
+        fix=(
+            "Use no loss scale: `lossscale.wrap(inner, None)` (a"
+            " `NoOpLossScale`), which still skips non-finite steps."
+        ),
+    )

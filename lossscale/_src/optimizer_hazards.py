@@ -1,0 +1,190 @@
+"""The optimizer's hazards: constants that round away, updates that round away.
+
+One probe update from a fresh optimizer state, on the probe's gradients and on
+gradients of zero (a dead ReLU, an unused embedding row), in the dtypes the
+program uses, against the same update with every floating-point leaf in
+float32. An update that is not finite (or is 8x larger) where float32's is
+finite comes from a constant or state value that rounds to zero or a subnormal,
+such as Adam's `eps=1e-8` in float16. A 16-bit parameter that the update leaves
+unchanged (`p + u == p`, `u != 0`) does not train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lossscale._src import interpret
+from lossscale._src.base import LossScale
+from lossscale._src.findings import Finding
+from lossscale._src.kinds import NoOpLossScale
+from lossscale._src.program import Program
+from lossscale._src.program import flatten_with_paths
+
+# An update this much larger than float32's is "huge" (a subnormal denominator).
+HUGE = 8.0
+# More than this share of a 16-bit parameter's probe update rounding away.
+ROUNDED_AWAY_LIMIT = 0.10
+# The frames of optax's own code name the op (`update_fn` of `scale_by_adam`).
+_NOT_OPTAX = ("jax", "jaxlib", "flax", "equinox", "haiku")
+
+
+def check(
+    problem: Program, optimizer: optax.GradientTransformation, grads: list[Any]
+) -> list[Finding]:
+    """Runs the probe updates; `grads` are the unscaled float32 gradients."""
+    params = problem.masked_params(problem.diff)
+    dtypes = [np.dtype(leaf.dtype) for leaf in problem.diff]
+    state = _unscaled(optimizer.init(params))
+    if not any(_half(leaf) for leaf in jax.tree.leaves((params, state))):
+        return []  # float32 throughout: nothing rounds differently
+    findings = []
+    probe = problem.masked_params(
+        [np.asarray(g).astype(d) for g, d in zip(grads, dtypes, strict=True)]
+    )
+    zeros = problem.masked_params([np.zeros(d.shape, d.dtype) for d in problem.diff])
+    broken = None
+    update = jax.jit(lambda g, s, p: optimizer.update(g, s, p)[0])
+    wide = jax.jit(lambda g, s, p: optimizer.update(*_float32((g, s, p)))[0])
+    for name, g in (("the probe's gradients", probe), ("gradients of zero", zeros)):
+        updates = flatten_with_paths(jax.device_get(update(g, state, params)))[1]
+        reference = flatten_with_paths(jax.device_get(wide(g, state, params)))[1]
+        if name == "the probe's gradients":
+            findings += _rounded_away(problem, updates)
+        if broken is None:
+            broken = _broken(updates, reference, problem.paths, name)
+            if broken is not None:  # name the op that made it
+                broken = _named(broken, _first_nonfinite(optimizer, g, state, params))
+    return ([broken] if broken else []) + findings
+
+
+def _first_nonfinite(optimizer, grads, state, params) -> str | None:
+    """The first op of the update that made a non-finite value from finite ones.
+
+    Walked one op at a time (slow): only once something is found.
+    """
+    closed = jax.make_jaxpr(optimizer.update)(grads, state, params)
+    found: list[str] = []
+
+    def visit(eqn, inputs, outputs, tags, calls):
+        if not found and interpret._produced(inputs, outputs):
+            place, function = interpret.source(eqn, _NOT_OPTAX, calls)
+            where = ""
+            if place:  # e.g. `scale_by_adam.update_fn` (optax/_src/transform.py:300)
+                function = function.replace(".<locals>", "").removesuffix(".<lambda>")
+                where = f" in `{function}` ({place.split('site-packages/')[-1]})"
+            found.append(f"`{eqn.primitive.name}`{where}")
+
+    leaves = jax.tree.leaves((grads, state, params))
+    interpret.walk(closed, leaves, visit, descend=lambda: not found, branches=True)
+    return found[0] if found else None
+
+
+def _named(finding: Finding, op: str | None) -> Finding:
+    """`finding` with the op that made the first non-finite value, if known."""
+    if op is None:
+        return dataclasses.replace(finding, message=finding.message + ".")
+    return dataclasses.replace(
+        finding,
+        message=f"{finding.message}. The first non-finite value comes from {op}.",
+    )
+
+
+def _broken(updates, reference, paths, name) -> Finding | None:
+    for path, ours, theirs in zip(paths, updates, reference, strict=True):
+        if ours is None or theirs is None:
+            continue
+        ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+        lost = ~np.isfinite(ours) & np.isfinite(theirs)
+        largest = float(np.max(np.abs(theirs), initial=0.0))
+        huge = np.abs(np.where(np.isfinite(ours), ours, 0)) > HUGE * largest
+        if not (lost.any() or huge.any()):
+            continue
+        what = "not finite" if lost.any() else f"over {HUGE:g}x float32's largest"
+        return Finding(
+            code="optimizer-underflow",
+            severity="error",
+            message=(
+                f"On {name}, {int((lost | huge).sum())} elements of the probe"
+                f" update of {path} are {what}, where the same update in float32"
+                f" is finite: a constant or state value of the optimizer (such as"
+                f" Adam's `eps=1e-8`, 0 in float16) rounds to zero or a subnormal"
+                f" in the dtype it is used in"
+            ),
+            where=path,
+            fix=(
+                "Keep float32 master parameters (`param_dtype=jnp.float32`; the"
+                " optimizer state follows them) and compute in float16; if they"
+                " must be 16-bit, use constants that dtype holds (Adam:"
+                " `eps=1e-4`; `mu_dtype=jnp.float32` leaves `nu` 16-bit)."
+            ),
+        )
+    return None
+
+
+def _rounded_away(problem: Program, updates: list[Any]) -> list[Finding]:
+    shares = {}
+    for path, p, u in zip(problem.paths, problem.leaves, updates, strict=True):
+        if u is None or not _half(p):
+            continue
+        p, u = np.asarray(p), np.asarray(u)
+        # As `optax.apply_updates`: the sum in the wider dtype, cast back.
+        new = (p + u).astype(p.dtype)
+        moved = (u != 0) & np.isfinite(u)
+        lost = int(np.sum(moved & (new == p)))
+        if lost > ROUNDED_AWAY_LIMIT * max(int(np.sum(moved)), 1):
+            shares[path] = lost / int(np.sum(moved))
+    if not shares:
+        return []
+    worst = max(shares, key=shares.get)
+    listed = ", ".join(f"{p} {s:.0%}" for p, s in list(shares.items())[:3])
+    more = f" and {len(shares) - 3} more" if len(shares) > 3 else ""
+    dtype = np.dtype(problem.leaves[problem.paths.index(worst)].dtype).name
+    return [
+        Finding(
+            code="update-underflow",
+            severity="warning",
+            message=(
+                f"The probe update rounds away (`p + u == p` with `u != 0`) in"
+                f" {dtype} parameters: {listed}{more} of their nonzero updates."
+                " Those parameters move slower than the optimizer says, or not"
+                " at all."
+            ),
+            where=worst,
+            fix=(
+                "Keep float32 master weights (`param_dtype=jnp.float32`) and"
+                " compute in 16 bits (`dtype=jnp.float16`): the update is added in"
+                " float32."
+            ),
+        )
+    ]
+
+
+def _unscaled(state: Any) -> Any:
+    """`state` with its loss-scale state (if wrapped) replaced by no scaling.
+
+    The probe feeds unscaled gradients: `wrap(inner)` then runs `inner` on them.
+    """
+    return jax.tree.map(
+        lambda x: NoOpLossScale() if isinstance(x, LossScale) else x,
+        state,
+        is_leaf=lambda x: isinstance(x, LossScale),
+    )
+
+
+def _half(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return (
+        dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and np.dtype(dtype).itemsize <= 2
+    )
+
+
+def _float32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if _half(x) else x, tree)

@@ -1,0 +1,236 @@
+"""The probe: the scaled `value_and_grad` on one batch, instrumented, jitted once.
+
+`interpret.walk` evaluates the jaxpr of `value_and_grad(loss * scale)` under
+`jax.jit`, and measures values on the way, as extra outputs of one compiled
+program:
+
+* the forward pass (the equations that the loss depends on and the scale does
+  not): the largest magnitude of each float16 output, and which measured values
+  each op's inputs come from (its nearest measured ancestors);
+* the backward pass (the values computed from the scale): the largest magnitude
+  of each float16 value. The backward pass is linear in the scale, so at scale
+  `s` it overflows from about `s * 65520 / max` on.
+
+It compiles with `xla_allow_excess_precision` off, so that every float16 value is
+rounded to float16 as the program says, on every backend (XLA:GPU may otherwise
+keep a chain of float16 ops in float32). Ops that only move values (reshape,
+slice, broadcast, a widening cast) are not measured: they make no new magnitude;
+nor are the backward pass's sums of two values (`add`), which at most double
+one: the evaluation at twice the estimated scale catches that. XLA:CPU compiles
+a kernel per measured value, which is why the probe measures no more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core
+
+from lossscale._src import interpret
+from lossscale._src.program import Program
+from lossscale._src.program import trace
+
+F16 = np.dtype(np.float16)
+_F16 = np.finfo(np.float16)
+# Values at or above max + ulp/2 round to inf in float16.
+F16_OVERFLOW = float(_F16.max) + 2.0 ** (_F16.maxexp - 1) * float(_F16.eps) / 2
+# Outputs no larger than an input, and finite when it is.
+_MOVES = {
+    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+    "dynamic_slice", "rev", "copy", "copy_p", "neg", "abs", "stop_gradient",
+    "pad", "concatenate", "select_n", "gather", "real", "imag",
+}  # fmt: skip
+_SUMS_OF_TWO = {"add", "add_any", "sub"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """A forward equation measured: its values, and the measured ones it reads."""
+
+    eqn: Any
+    calls: tuple[Any, ...]  # the call equations it is inside (`interpret.walk`)
+    upstream: frozenset[int]  # indices into `Evaluation.peaks`: nearest ancestors
+    outputs: tuple[int, ...]  # its float16 outputs' indices
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The probe batch at one scale."""
+
+    scale: float
+    loss: float
+    grads: list[np.ndarray]  # scaled, in the gradient leaves' dtypes
+    finite: bool  # the loss and every gradient
+    peaks: np.ndarray  # the float16 forward values' largest magnitudes (0 if bad)
+    bad: np.ndarray  # whether each holds an inf or a NaN
+    limit: float  # the scale from which a float16 backward value overflows
+    first_overflow: Any  # (equation, calls) that overflowed first, or None
+
+
+class Probe:
+    """The instrumented `value_and_grad` of `problem`; call it with a scale."""
+
+    def __init__(self, problem: Program):
+        def scaled(diff, batch, scale):
+            loss, _ = problem.loss(diff, batch)
+            wide = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+            return wide * scale, loss
+
+        self._args = [*problem.diff, *problem.batch]
+        one = jnp.ones([], jnp.float32)
+        closed = trace(
+            jax.value_and_grad(scaled, has_aux=True), problem.diff, problem.batch, one
+        )
+        marked = [False] * len(self._args) + [True]
+        # The unscaled loss is the second output: its equations are the forward's.
+        forward = needed(closed.jaxpr, [False, True] + [False] * len(problem.diff))
+        self.ops: list[Op] = []
+        self.sites: list[Any] = []  # (equation, calls) of each backward value
+        self.dtypes: set[str] = set()  # of the floating values computed from the scale
+
+        def instrumented(args):
+            values, backward = [], []
+            # id of a forward value: (the value, kept so that its id stays its
+            # own; the indices of the measured values it comes from)
+            lineage: dict[int, tuple[Any, frozenset[int]]] = {}
+
+            def visit(eqn, inputs, outputs, tags, calls):
+                # A value computed from the scale is the backward pass's.
+                is_marked = any(tags)
+                measure(eqn, inputs, outputs, is_marked, calls)
+                return [is_marked] * len(outputs)
+
+            def measure(eqn, inputs, outputs, is_marked, calls):
+                halves = [v for v in outputs if getattr(v, "dtype", None) == F16]
+                if is_marked:
+                    self.dtypes.update(
+                        np.dtype(v.dtype).name for v in outputs if _floating(v)
+                    )
+                    if not (_moves(eqn) or eqn.primitive.name in _SUMS_OF_TWO):
+                        backward.extend(halves)
+                        self.sites.extend((eqn, calls) for _ in halves)
+                    return
+                if id(eqn) not in forward:
+                    return
+                upstream = frozenset().union(
+                    *(lineage.get(id(v), (None, frozenset()))[1] for v in inputs)
+                )
+                measured = {}
+                if not _moves(eqn):  # a new magnitude: measure its float16 outputs
+                    for value in halves:
+                        measured[id(value)] = frozenset([len(values)])
+                        values.append(value)
+                    if halves:
+                        indices = tuple(i for (i,) in measured.values())
+                        self.ops.append(Op(eqn, calls, upstream, indices))
+                for value in outputs:
+                    lineage[id(value)] = (value, measured.get(id(value), upstream))
+
+            outputs, _ = interpret.walk(closed, args, visit, tags=marked)
+            return outputs, _peaks(values), _peaks(backward)
+
+        self._compiled = (
+            jax.jit(instrumented)
+            .lower([*self._args, one])
+            .compile(compiler_options={"xla_allow_excess_precision": False})
+        )
+        self.evaluations: dict[float, Evaluation] = {}
+
+    def __call__(self, scale: float) -> Evaluation:
+        """The probe batch at `scale` (each scale is evaluated once)."""
+        if scale not in self.evaluations:
+            scale_array = jnp.asarray(scale, jnp.float32)
+            outputs, peaks, backward = jax.device_get(
+                self._compiled([*self._args, scale_array])
+            )
+            _, loss, *grads = outputs
+            finite = bool(np.isfinite(loss)) and all(
+                np.isfinite(g).all() for g in grads
+            )
+            # How many times each backward value fits below the overflow threshold;
+            # 0 where it holds an inf or a NaN already.
+            with np.errstate(divide="ignore"):
+                headroom = np.where(np.isfinite(backward), F16_OVERFLOW / backward, 0)
+            reached = np.flatnonzero(headroom <= 1.0)
+            self.evaluations[scale] = Evaluation(
+                scale=scale,
+                loss=float(loss),
+                grads=grads,
+                finite=finite,
+                peaks=np.where(np.isfinite(peaks), peaks, 0),
+                bad=~np.isfinite(peaks),
+                limit=scale * float(np.min(headroom, initial=np.inf)),
+                first_overflow=self.sites[reached[0]] if reached.size else None,
+            )
+        return self.evaluations[scale]
+
+
+def needed(jaxpr: Any, outputs: list[bool]) -> set[int]:
+    """The ids of the equations that the flagged outputs of `jaxpr` depend on.
+
+    Inside the calls that `interpret.walk` enters, per output; other equations
+    whole. An equation of a sub-jaxpr called twice counts if either call needs it.
+    """
+    found: set[int] = set()
+    live = _variables(v for v, f in zip(jaxpr.outvars, outputs, strict=True) if f)
+    for eqn in reversed(jaxpr.eqns):
+        wanted = [v in live for v in eqn.outvars]
+        if not any(wanted):
+            continue
+        found.add(id(eqn))
+        sub = interpret._sub_jaxpr(eqn, len(eqn.invars))
+        if sub is None:
+            inputs = eqn.invars
+        else:
+            inner = needed(sub.jaxpr, wanted)
+            found |= inner
+            used = _inputs_used(sub.jaxpr, wanted)
+            inputs = [v for v, use in zip(eqn.invars, used, strict=True) if use]
+        live |= _variables(inputs)
+    return found
+
+
+def _inputs_used(jaxpr: Any, outputs: list[bool]) -> list[bool]:
+    live = _variables(v for v, f in zip(jaxpr.outvars, outputs, strict=True) if f)
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars):
+            live |= _variables(eqn.invars)
+    return [v in live for v in jaxpr.invars]
+
+
+def _variables(atoms: Any) -> set[Any]:
+    """The variables among `atoms` (literals are constants, and not hashable)."""
+    return {v for v in atoms if not isinstance(v, core.Literal)}
+
+
+def _moves(eqn: Any) -> bool:
+    """Whether `eqn` only moves values (or casts to a wider range): no new magnitude."""
+    if eqn.primitive.name == "convert_element_type":
+        before = np.dtype(eqn.invars[0].aval.dtype)
+        after = np.dtype(eqn.outvars[0].aval.dtype)
+        return (
+            jnp.issubdtype(before, jnp.floating)
+            and jnp.issubdtype(after, jnp.floating)
+            and float(jnp.finfo(after).max) >= float(jnp.finfo(before).max)
+        )
+    return eqn.primitive.name in _MOVES
+
+
+def _floating(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _peaks(values: list[Any]) -> jax.Array:
+    """`max |x|` of each float16 value, in float32: inf or NaN where it holds one.
+
+    NaN propagates through XLA's 16-bit `max` (docs/design.md).
+    """
+    if not values:
+        return jnp.zeros([0], jnp.float32)
+    peaks = [jnp.max(jnp.abs(v), initial=0) for v in values]
+    return jnp.stack(peaks).astype(jnp.float32)

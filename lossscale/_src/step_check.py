@@ -1,0 +1,202 @@
+"""`preflight_step`: a train step's result must not depend on the loss scale.
+
+Loss scaling multiplies the loss by `s` and divides the gradients by `s` before
+anything reads them. At two scales a power of two apart every scaled value is
+the same up to that power of two (a multiplication by 2 is exact), so a correct
+step applies the same update at both, bit for bit but for values at the bottom
+of float16's range. A step that differentiates the unscaled loss and lets
+`wrap` unscale it, or that clips before `wrap`, updates by `g / s`: half as
+much at twice the scale, which Adam's normalisation hides and SGD does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale._src import lookup
+from lossscale._src.base import LossScale
+from lossscale._src.findings import Finding
+from lossscale._src.findings import PreflightReport
+from lossscale._src.findings import power
+from lossscale._src.kinds import StaticLossScale
+
+# An update that differs by more than 2**-8 of its norm between the two scales
+# differs by more than rounding: scaling by a power of two is exact, and the
+# values rounded differently (float16 subnormals at the lower scale) are below
+# 2**-14 of the largest, far less than 2**-8 of the norm.
+TOLERANCE = 2.0**-8
+# Scales tried, halving from the state's, when a step skips at one of them.
+_TRIES = 24
+
+
+def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> PreflightReport:
+    """Checks that a train step's result does not depend on the loss scale.
+
+    Runs `step(state, *args)` on the host at two loss scales a power of two
+    apart (the state's scale and half of it, lower if the step skips there),
+    copying `state` first for each. A correctly scaled step applies the same
+    update at both; one that is not gets `scale-dependent-step`, naming the
+    leaves whose updates differ. Run it once, on one batch, before training.
+
+    Args:
+      step: the train step, jitted or not: takes `state` (a tree holding one
+        loss-scale state, as `get_loss_scale` finds it) and `*args`; returns
+        the new state, or a tuple whose first element is the new state.
+      state: the train state (e.g. `(params, opt_state)`, a `TrainState`).
+      *args: the rest of `step`'s arguments: one batch.
+
+    Returns:
+      A `PreflightReport` (its `scale` is None: no scale is probed).
+
+    Raises:
+      TypeError: if `step` is not callable or returns another tree.
+      ValueError: if `state` holds no (or several) loss-scale states, one
+        whose scale cannot be set, or the step skips at every scale tried.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, lossscale
+      >>> tx = lossscale.wrap(optax.sgd(0.1))
+      >>> def step(state, x):
+      ...     params, opt_state = state
+      ...     grads = jax.grad(lambda p: jnp.sum(p * x))(params)  # not scaled!
+      ...     updates, opt_state = tx.update(grads, opt_state, params)
+      ...     return optax.apply_updates(params, updates), opt_state
+      >>> params = jnp.zeros(3)
+      >>> state = (params, tx.init(params))
+      >>> report = lossscale.preflight_step(step, state, jnp.ones(3))
+      >>> print(sorted(report.codes), report.findings[0].where)
+      ['scale-dependent-step'] [0]
+    """
+    if not callable(step):
+        raise TypeError(f"`step` must be callable, got {type(step).__name__}.")
+    current = lookup.find(state, "state")
+    high = _settable(current)
+    for _ in range(_TRIES):
+        low = high / 2
+        results = [_run(step, state, args, scale) for scale in (low, high)]
+        if not any(skipped for _, skipped in results):
+            break
+        high /= 2**4
+    else:
+        raise ValueError(
+            f"The step skipped its update at every pair of scales tried, from"
+            f" {power(float(current.scale))} down to {power(high * 2**4)}: its"
+            " gradients are not finite at any of them. Run `lossscale.preflight` on"
+            " its loss to see why."
+        )
+    before = _float_leaves(state)
+    (a, _), (b, _) = results
+    differ = {}
+    for path, old in before.items():
+        change_a = np.asarray(a[path], np.float64) - np.asarray(old, np.float64)
+        change_b = np.asarray(b[path], np.float64) - np.asarray(old, np.float64)
+        size = max(np.linalg.norm(change_a), np.linalg.norm(change_b))
+        gap = np.linalg.norm(change_a - change_b)
+        if not np.isfinite(gap) or gap > TOLERANCE * size:
+            differ[path] = (gap / size if size else np.inf, _ratio(change_a, change_b))
+    notes = (
+        f"Step run at scales {power(low)} and {power(high)}; {len(before)}"
+        " floating-point leaves compared.",
+    )
+    if not differ:
+        return PreflightReport((), None, notes)
+    listed = "; ".join(
+        f"{path} (differs by {gap:.0%}"
+        + (f", {ratio:.3g}x at the lower scale)" if ratio else ")")
+        for path, (gap, ratio) in list(differ.items())[:3]
+    )
+    more = f"; and {len(differ) - 3} more leaves" if len(differ) > 3 else ""
+    finding = Finding(
+        code="scale-dependent-step",
+        severity="error",
+        message=(
+            f"The step's update changes with the loss scale: at {power(low)} and"
+            f" {power(high)} it differs in {len(differ)} of {len(before)} leaves:"
+            f" {listed}{more}. Correct loss scaling is invariant to the scale. With"
+            " Adam the step may still train (its normalisation hides a factor);"
+            " with SGD it stalls, and `metrics` look healthy."
+        ),
+        where=next(iter(differ)),
+        fix=(
+            "Differentiate the scaled loss (`lossscale.value_and_grad`, or"
+            " `jax.grad` of `lossscale.scale_loss(loss, opt_state)`), and put"
+            " every transformation that reads the gradients inside the wrap:"
+            " `lossscale.wrap(optax.chain(optax.clip_by_global_norm(1.0), inner))`"
+            " or `wrap(inner, clip_norm=1.0)`, not `chain(clip, wrap(inner))`."
+        ),
+    )
+    return PreflightReport((finding,), None, notes)
+
+
+def _settable(state: LossScale) -> float:
+    """The state's scale; raises unless a state of its kind can take another."""
+    if isinstance(state, StaticLossScale) or "scale" in type(state)._leaves:
+        return float(state.scale)
+    raise ValueError(
+        f"`state` holds a `{type(state).__name__}`, whose scale cannot be set: the"
+        " check runs the step at two scales. Pass the state with a"
+        " `DynamicLossScale` or a `StaticLossScale` (e.g. build the optimizer with"
+        " `lossscale.wrap(inner, 'dynamic')` for this check)."
+    )
+
+
+def _run(step, state, args, scale) -> tuple[dict[str, Any], bool]:
+    """The step's new floating-point leaves at `scale`, and whether it skipped."""
+
+    def at_scale(node):
+        if isinstance(node, StaticLossScale):
+            return StaticLossScale(scale)
+        return node.replace(scale=jnp.asarray(scale, jnp.float32))
+
+    # A copy of every array: the step may donate its inputs.
+    fresh = jax.tree.map(
+        lambda x: (
+            at_scale(x)
+            if isinstance(x, LossScale)
+            else (jnp.array(x, copy=True) if isinstance(x, jax.Array) else x)
+        ),
+        state,
+        is_leaf=lambda x: isinstance(x, LossScale),
+    )
+    out = step(fresh, *args)
+    paths = set(_float_leaves(state))
+    if set(_float_leaves(out)) != paths and isinstance(out, tuple | list) and out:
+        out = out[0]
+    if set(_float_leaves(out)) != paths:
+        raise TypeError(
+            "`step` must return the new state (the tree it was given, with the"
+            " loss-scale state updated), or a tuple whose first element is; it"
+            f" returned a {type(out).__name__} with other floating-point leaves."
+        )
+    before = int(lookup.find(fresh, "state").skipped_steps)
+    after = int(lookup.find(out, "step(state, ...)").skipped_steps)
+    return _float_leaves(out), after > before
+
+
+def _float_leaves(tree: Any) -> dict[str, Any]:
+    """The floating-point array leaves of `tree` by path, loss-scale states left out."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, LossScale)
+    )
+    return {
+        jax.tree_util.keystr(path): leaf
+        for path, leaf in leaves
+        if not isinstance(leaf, LossScale)
+        and jnp.issubdtype(getattr(leaf, "dtype", np.int32), jnp.floating)
+    }
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> float | None:
+    """`|a| / |b|` if `a` is a multiple of `b` (a factor from the scale)."""
+    norm_b = np.linalg.norm(b)
+    if not norm_b or not np.isfinite(norm_b):
+        return None
+    ratio = np.linalg.norm(a) / norm_b
+    if np.linalg.norm(a - ratio * b) > TOLERANCE * np.linalg.norm(a):
+        return None
+    return float(ratio)

@@ -1,0 +1,570 @@
+"""`lossscale.preflight` and `preflight_step`: each code on a model written to have
+its hazard, and on no other model; the clean mixed-precision models get none.
+
+The models are small but real: Flax linen MLPs on scikit-learn's digits (the full
+training set as the batch, as the demo trains), the demo's deep sigmoid MLP, and a
+byte-level transformer on the Python documentation. Each hazard test asserts that
+the report's codes are exactly that one code (so it is nowhere else in that
+program), and the clean programs that they get none; `where` is this file's line.
+"""
+
+import functools
+
+import flax.linen as nn
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale
+from lossscale import demo
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+ERRORS_AND_WARNINGS = ("error", "warning")
+
+
+def line_of(marker):
+    return helpers.line_of(__file__, marker)
+
+
+@functools.cache
+def digits():
+    (x, y), _ = demo.load_digits(0)
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+@functools.cache
+def text_batch(rows=4, context=320):
+    """Windows of the Python documentation's bytes (as benchmarks/ trains on)."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    data = np.frombuffer("".join(topics[k] for k in sorted(topics)).encode(), np.uint8)
+    starts = np.random.default_rng(0).integers(0, len(data) - context - 1, rows)
+    windows = np.stack([data[s : s + context + 1] for s in starts]).astype(np.int32)
+    return jnp.asarray(windows[:, :-1]), jnp.asarray(windows[:, 1:])
+
+
+class DigitsMLP(nn.Module):
+    """Two hidden layers; `dtype` computes, `param_dtype` stores."""
+
+    dtype: jnp.dtype = F16
+    param_dtype: jnp.dtype = F32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = nn.relu(nn.Dense(64, **dense)(x))  # hidden-line
+        x = nn.relu(nn.Dense(64, **dense)(x))
+        return nn.Dense(10, **dense)(x)  # logits-line
+
+
+@functools.cache
+def digits_params():
+    """`DigitsMLP`'s parameters, initialised once (in float32)."""
+    return DigitsMLP().init(jax.random.key(0), digits()[0][:1])["params"]
+
+
+def digits_problem(model=None, loss="mean"):
+    """`(loss_fn, params, x, y)`: cross-entropy in float32, averaged or summed.
+
+    The parameters are `digits_params()` in the model's `param_dtype`.
+    """
+    model = model or DigitsMLP()
+    x, y = digits()
+    params = jax.tree.map(lambda p: p.astype(model.param_dtype), digits_params())
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x).astype(F32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return losses.sum() if loss == "sum" else losses.mean()
+
+    return loss_fn, params, x, y
+
+
+class Mixer(nn.Module):
+    """A one-block byte model (embedding, token mixer, head), float16 compute.
+
+    `mix` picks the mixer: causal attention (softmax in float32), or a causal
+    running mean (a cumulative sum), or attention with the softmax written out.
+    """
+
+    mix: str = "attention"
+    width: int = 32
+
+    @nn.compact
+    def __call__(self, tokens):
+        dense = dict(dtype=F16, param_dtype=F32)
+        x = nn.Embed(256, self.width, param_dtype=F32)(tokens).astype(F16)
+        h = nn.LayerNorm(dtype=F32, param_dtype=F32)(x).astype(F16)
+        if self.mix == "running-mean":
+            total = jnp.cumsum(h, axis=1)  # cumsum-line
+            h = total / jnp.arange(1, h.shape[1] + 1, dtype=F16)[:, None]
+        else:
+            q, k, v = jnp.split(nn.Dense(3 * self.width, **dense)(h), 3, axis=-1)
+            scores = q @ k.swapaxes(-1, -2)
+            causal = jnp.tril(jnp.ones((h.shape[1], h.shape[1]), bool))
+            if self.mix == "attention":
+                scores = scores.astype(F32) / np.sqrt(self.width)
+                weights = jax.nn.softmax(jnp.where(causal, scores, -1e9)).astype(F16)
+            else:  # no max subtracted, no 1/sqrt(d)
+                weights = jnp.where(causal, jnp.exp(scores), 0)  # exp-line
+                weights = weights / weights.sum(-1, keepdims=True)
+            h = weights @ v
+        x = x + nn.Dense(self.width, **dense)(h)
+        return nn.Dense(256, **dense)(x)
+
+
+@functools.cache
+def text_params(mix):
+    model = Mixer(mix="running-mean" if mix == "running-mean" else "attention")
+    return model.init(jax.random.key(0), text_batch()[0])["params"]
+
+
+def text_problem(**settings):
+    model = Mixer(**settings)
+    tokens, targets = text_batch()
+    params = text_params(model.mix)
+
+    def loss_fn(params, tokens, targets):
+        logits = model.apply({"params": params}, tokens).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    return loss_fn, params, tokens, targets
+
+
+def finite_at(loss_fn, params, *args):
+    """Whether the scaled gradients are finite at a scale, by plain `jax.grad`."""
+    grad = jax.jit(jax.grad(lambda p, s: loss_fn(p, *args) * s))
+
+    def finite(scale):
+        grads = grad(params, jnp.float32(scale))
+        return all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+    return finite
+
+
+def check_scale(report, finite):
+    """`report.scale` is the largest power of two <= 2**24 finite at twice it."""
+    scale = report.scale
+    assert scale == 2.0 ** round(np.log2(scale)) and scale <= 2.0**24, scale
+    assert finite(2 * scale), scale
+    if scale < 2.0**24:
+        assert not finite(4 * scale), scale
+
+
+def serious(report):
+    return [f for f in report.findings if f.severity in ERRORS_AND_WARNINGS]
+
+
+# -- clean programs --------------------------------------------------------------
+
+
+def test_a_clean_mixed_precision_mlp_gets_no_error_or_warning():
+    loss_fn, params, x, y = digits_problem()
+    tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
+    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    assert serious(report) == [], str(report)
+    check_scale(report, finite_at(loss_fn, params, x, y))
+
+
+@pytest.mark.slow
+def test_a_clean_float16_transformer_gets_no_error_or_warning():
+    loss_fn, params, tokens, targets = text_problem()
+    tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
+    report = lossscale.preflight(loss_fn, params, tokens, targets, optimizer=tx)
+    assert serious(report) == [], str(report)
+    assert report.scale is not None
+
+
+# -- one program per code --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_half_accumulation_is_a_float16_cumulative_sum_with_its_line():
+    loss_fn, params, tokens, targets = text_problem(mix="running-mean")
+    report = lossscale.preflight(loss_fn, params, tokens, targets)
+    assert report.codes == {"half-accumulation"}, str(report)
+    (finding,) = report.findings
+    assert finding.where == line_of("cumsum-line")
+    assert "`cumsum` of 320 values" in finding.message
+
+
+@pytest.mark.slow
+def test_forward_overflow_is_an_exp_that_overflows_float16_with_its_line():
+    loss_fn, params, tokens, targets = text_problem(mix="exp")
+    report = lossscale.preflight(loss_fn, params, tokens, targets)
+    assert report.codes == {"forward-overflow"}, str(report)
+    # Only the exp: not the float16 ops after it, whose inputs come (through
+    # float32 values, whose NaN XLA:CPU's float32 `max` may miss) from the inf.
+    assert [f.where for f in report.findings] == [line_of("exp-line")], str(report)
+    assert report.scale is None, str(report)  # the loss is not finite
+    # The reference: the loss, computed as the program says, is not finite.
+    assert not np.isfinite(float(jax.jit(loss_fn)(params, tokens, targets)))
+
+
+class Standardized(nn.Module):
+    """Raw digits pixels (0-16), centred with their batch mean, summed in float16."""
+
+    @nn.compact
+    def __call__(self, pixels):
+        x = pixels.astype(F16)
+        mean = x.sum(axis=0) / x.shape[0]  # sum-line
+        return DigitsMLP()((x - mean) / 16)
+
+
+def test_forward_headroom_is_a_float16_sum_near_its_largest_value():
+    model = Standardized()
+    x, y = digits()
+    pixels = x * 16  # sklearn's values, not divided by 16
+    params = {"DigitsMLP_0": digits_params()}
+
+    def loss_fn(params, pixels, y):
+        logits = model.apply({"params": params}, pixels).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    report = lossscale.preflight(loss_fn, params, pixels, y)
+    assert report.codes == {"forward-headroom"}, str(report)
+    assert report.findings[0].where == line_of("sum-line")
+    # The reference: the largest column sum, in float64, is within 8x of 65504.
+    largest = np.max(np.asarray(pixels, np.float64).sum(axis=0))
+    assert 65504 / 8 <= largest < 65504, largest
+    assert f"{largest:.4g}" in report.findings[0].message
+
+
+def test_loss_in_half_is_a_cross_entropy_on_float16_logits_with_its_line():
+    model = DigitsMLP()
+    x, y = digits()
+    params = digits_params()
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x)  # float16
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()  # ce
+
+    report = lossscale.preflight(loss_fn, params, x, y)
+    assert report.codes == {"loss-in-half"}, str(report)
+    assert report.findings[0].where == line_of("ce")
+
+
+def test_gradient_overflow_is_a_summed_loss_at_the_default_scale():
+    loss_fn, params, x, y = digits_problem(loss="sum")
+    report = lossscale.preflight(loss_fn, params, x, y)
+    assert report.codes == {"gradient-overflow"}, str(report)
+    # The reference: plain gradients at the default start, 2**15, overflow.
+    finite = finite_at(loss_fn, params, x, y)
+    assert not finite(2.0**15)
+    check_scale(report, finite)
+    assert report.findings[0].where in {line_of("hidden-line"), line_of("logits-line")}
+    assert f"scale=2.0**{round(np.log2(report.scale))}" in report.findings[0].fix
+
+
+def demo_problem():
+    """The demo's deep sigmoid MLP computing in float16 (float32 parameters)."""
+    (x, y), _ = demo.load_digits(0)
+    params = demo.init_mlp(jax.random.key(0), demo.SIZES)
+    return demo.loss_fn, params, jnp.asarray(x), jnp.asarray(y), F16
+
+
+def lost_to_zero(loss_fn, params, *args, low, high):
+    """Per leaf, gradient values nonzero at scale `high` and zero at `low`."""
+    grad = jax.jit(jax.grad(lambda p, s: loss_fn(p, *args) * s))
+    at_low, at_high = grad(params, jnp.float32(low)), grad(params, jnp.float32(high))
+    lost = jax.tree.map(lambda a, b: int(jnp.sum((b != 0) & (a == 0))), at_low, at_high)
+    nonzero = sum(int(jnp.sum(g != 0)) for g in jax.tree.leaves(at_high))
+    paths = {
+        jax.tree_util.keystr(p): n for p, n in jax.tree_util.tree_leaves_with_path(lost)
+    }
+    return paths, nonzero
+
+
+@pytest.mark.slow
+def test_gradient_underflow_is_a_deep_sigmoid_mlp_at_a_low_static_scale():
+    loss_fn, params, *args = demo_problem()
+    report = lossscale.preflight(loss_fn, params, *args, loss_scale=2.0**4)
+    assert report.codes == {"gradient-underflow"}, str(report)
+    (finding,) = report.findings
+    # The reference: plain gradients at 2**4 against those at report.scale.
+    lost, nonzero = lost_to_zero(loss_fn, params, *args, low=2.0**4, high=report.scale)
+    assert sum(lost.values()) > 0.01 * nonzero, (lost, nonzero)
+    assert finding.where == max(lost, key=lost.get), (finding.where, lost)
+    assert f"scale=2.0**{round(np.log2(report.scale))}" in finding.fix
+
+
+@pytest.mark.slow
+def test_unscaled_half_gradients_is_the_deep_mlp_without_loss_scaling():
+    loss_fn, params, *args = demo_problem()
+    report = lossscale.preflight(
+        loss_fn, params, *args, loss_scale=lossscale.NoOpLossScale()
+    )
+    assert report.codes == {"unscaled-half-gradients"}, str(report)
+    lost, nonzero = lost_to_zero(loss_fn, params, *args, low=1.0, high=report.scale)
+    assert sum(lost.values()) > 0.01 * nonzero, (lost, nonzero)
+    assert report.findings[0].where == max(lost, key=lost.get), lost
+
+
+def test_optimizer_underflow_is_adams_eps_with_float16_parameters():
+    model = DigitsMLP(dtype=F16, param_dtype=F16)
+    loss_fn, params, x, y = digits_problem(model)
+    tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
+    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    assert report.codes == {"optimizer-underflow"}, str(report)
+    (finding,) = report.findings
+    assert finding.severity == "error"
+    leaf = params
+    for key in finding.where.strip("[]'").split("']['"):
+        leaf = leaf[key]
+    # The reference: optax's Adam on a zero float16 gradient gives NaN (eps = 0).
+    adam = optax.adam(1e-3)
+    update, _ = jax.jit(adam.update)(jnp.zeros_like(leaf), adam.init(leaf), leaf)
+    assert np.isnan(np.asarray(update, np.float32)).all(), update
+    assert np.float16(1e-8) == 0
+
+
+def test_update_underflow_is_adam_on_bfloat16_parameters():
+    model = DigitsMLP(dtype=BF16, param_dtype=BF16)
+    loss_fn, params, x, y = digits_problem(model)
+    tx = optax.adam(1e-4)  # below half a bfloat16 ulp of most weights (|w| > 2**-5)
+    report = lossscale.preflight(
+        loss_fn, params, x, y, optimizer=tx, loss_scale=lossscale.NoOpLossScale()
+    )
+    assert report.codes == {"update-underflow"}, str(report)
+
+    # The reference: the same update, applied by optax, leaves > 10% unchanged.
+    @jax.jit
+    def step(params):
+        updates, _ = tx.update(jax.grad(loss_fn)(params, x, y), tx.init(params))
+        return optax.apply_updates(params, updates), updates
+
+    new, updates = step(params)
+    shares = {
+        jax.tree_util.keystr(path): float(jnp.mean((n == p)[u != 0]))
+        for (path, p), n, u in zip(
+            jax.tree_util.tree_leaves_with_path(params),
+            jax.tree.leaves(new),
+            jax.tree.leaves(updates),
+            strict=True,
+        )
+    }
+    assert report.findings[0].where == max(shares, key=shares.get), shares
+    assert shares[report.findings[0].where] > 0.1
+
+
+def test_bfloat16_dynamic_scale_is_information_only():
+    model = DigitsMLP(dtype=BF16, param_dtype=F32)
+    loss_fn, params, x, y = digits_problem(model)
+    tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
+    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    assert report.codes == {"bfloat16-dynamic-scale"}, str(report)
+    assert report.findings[0].severity == "info"
+    # Without the dynamic scale, nothing is said.
+    none = lossscale.preflight(
+        loss_fn, params, x, y, loss_scale=lossscale.NoOpLossScale()
+    )
+    assert none.codes == set(), str(none)
+
+
+# -- preflight_step --------------------------------------------------------------
+
+
+def sgd_steps():
+    """Three train steps with `wrap(sgd)`: right, loss not scaled, clip outside."""
+    model = DigitsMLP()
+    x, y = digits()
+    params = digits_params()
+
+    def loss_fn(params):
+        logits = model.apply({"params": params}, x).astype(F32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def right(state):
+        params, opt_state = state
+        grads = jax.grad(lambda p: lossscale.scale_loss(loss_fn(p), opt_state))(params)
+        updates, opt_state = wrapped.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def unscaled_loss(state):
+        params, opt_state = state
+        grads = jax.grad(loss_fn)(params)  # the loss is not scaled
+        updates, opt_state = wrapped.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def clipped_outside(state):
+        params, opt_state = state
+        grads = jax.grad(lambda p: lossscale.scale_loss(loss_fn(p), opt_state))(params)
+        updates, opt_state = clip_outside.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    wrapped = lossscale.wrap(optax.sgd(0.5), "dynamic")
+    clip_outside = optax.chain(optax.clip_by_global_norm(1.0), wrapped)
+    return {
+        "right": (jax.jit(right), (params, wrapped.init(params))),
+        "unscaled loss": (jax.jit(unscaled_loss), (params, wrapped.init(params))),
+        "clip outside": (jax.jit(clipped_outside), (params, clip_outside.init(params))),
+    }
+
+
+@pytest.mark.slow
+def test_preflight_step_finds_the_unscaled_loss_and_the_clip_outside_the_wrap():
+    for name, (step, state) in sgd_steps().items():
+        report = lossscale.preflight_step(step, state)
+        expected = set() if name == "right" else {"scale-dependent-step"}
+        assert report.codes == expected, (name, str(report))
+        if name != "right":
+            # The reference: SGD's updates at 2**15 and 2**14 are a factor 2 apart.
+            (finding,) = report.findings
+            assert finding.where.startswith("[0]"), finding.where
+            assert "2x at the lower scale" in finding.message, finding.message
+
+
+# -- models, arguments, refusals, the table ---------------------------------------
+
+
+def test_an_nnx_model_is_checked_through_its_call():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(64, 64, dtype=F16, rngs=rngs)
+            self.out = nnx.Linear(64, 10, dtype=F16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    model = Net(nnx.Rngs(0))
+    x, y = digits()
+
+    def loss_fn(model, x, y):
+        logits = model(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()  # nnx
+
+    report = lossscale.preflight(loss_fn, model, x, y)
+    assert report.codes == {"loss-in-half"}, str(report)
+    assert report.findings[0].where == line_of("nnx")
+
+
+@pytest.mark.slow
+def test_an_equinox_model_with_aux_and_a_key_argument_is_clean():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(64, 10, 64, depth=2, key=jax.random.key(0))
+    dropout = eqx.nn.Dropout(0.1)
+    x, y = digits()
+
+    def loss_fn(model, x, y, key):
+        half = jax.tree.map(
+            lambda p: p.astype(F16) if eqx.is_inexact_array(p) else p, model
+        )
+        h = dropout(jax.vmap(half)(x.astype(F16)), key=key)
+        losses = optax.softmax_cross_entropy_with_integer_labels(h.astype(F32), y)
+        return losses.mean(), {"accuracy": jnp.mean(jnp.argmax(h, -1) == y)}
+
+    tx = lossscale.wrap(optax.adam(1e-3))
+    report = lossscale.preflight(
+        loss_fn, model, x, y, jax.random.key(1), has_aux=True, optimizer=tx
+    )
+    assert serious(report) == [], str(report)
+    assert report.scale is not None
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(loss_fn="loss"), TypeError, "`loss_fn` must be callable"),
+        (dict(has_aux=1), TypeError, "`has_aux` must be a bool"),
+        (dict(optimizer=optax.adam), TypeError, "`optimizer` must be an optax"),
+        (dict(loss_scale=-2.0), ValueError, "`value` must be positive"),
+        (dict(loss_scale="static"), ValueError, "the only string allowed"),
+        (dict(loss_scale={"no": "state"}), ValueError, "No loss-scale state"),
+        (dict(params={"n": 3}), ValueError, "no floating-point array"),
+    ],
+)
+def test_what_cannot_be_checked_is_refused_by_name(kwargs, error, match):
+    arguments = dict(
+        loss_fn=lambda p, x: jnp.sum(p["w"] * x), params={"w": jnp.ones(2)}
+    )
+    arguments.update(kwargs)
+    loss_fn, params = arguments.pop("loss_fn"), arguments.pop("params")
+    with pytest.raises(error, match=match):
+        lossscale.preflight(loss_fn, params, jnp.ones(2), **arguments)
+
+
+def test_arguments_or_has_aux_that_do_not_fit_loss_fn_say_what_to_pass():
+    def loss_fn(p, x):
+        return jnp.sum(p * x)
+
+    bound = r"`loss_fn\(p, x\)` cannot take .* `preflight\(loss_fn, params, x, y\)`"
+    with pytest.raises(TypeError, match=bound):
+        lossscale.preflight(loss_fn, jnp.ones(2), jnp.ones(2), jnp.ones(2))
+    with pytest.raises(TypeError, match="pass `has_aux=False`"):
+        lossscale.preflight(loss_fn, jnp.ones(2), jnp.ones(2), has_aux=True)
+
+
+def test_a_traced_call_a_non_scalar_loss_and_a_collective_are_refused():
+    def traced(w):
+        return lossscale.preflight(lambda p: jnp.sum(p), w).scale
+
+    with pytest.raises(TypeError, match="outside `jax.jit`"):
+        jax.jit(traced)(jnp.ones(2))
+    with pytest.raises(ValueError, match="must be a scalar"):
+        lossscale.preflight(lambda p: p * 2, jnp.ones(2))
+    with pytest.raises(ValueError, match="reduces over a mapped axis"):
+        lossscale.preflight(lambda p: jax.lax.pmean(jnp.sum(p), "batch"), jnp.ones(2))
+    with pytest.raises(ValueError, match="cannot be set"):
+        params = jnp.ones(2)
+        tx = lossscale.wrap(optax.sgd(0.1), None)
+        lossscale.preflight_step(lambda s: s, (params, tx.init(params)))
+    with pytest.raises(TypeError, match="must return the new state"):
+        params = jnp.ones(2)
+        tx = lossscale.wrap(optax.sgd(0.1))
+        lossscale.preflight_step(lambda s: {"other": s[0]}, (params, tx.init(params)))
+
+
+def test_the_report_prints_a_table_errors_first():
+    finding = functools.partial(lossscale.Finding, message="m.", fix="f.")
+    report = lossscale.PreflightReport(
+        findings=(
+            finding(code="forward-overflow", severity="error", where="a.py:3"),
+            finding(code="gradient-underflow", severity="warning", where="['w']"),
+        ),
+        scale=2.0**10,
+        notes=("A note.",),
+    )
+    lines = str(report).splitlines()
+    assert lines[0] == (
+        "preflight: 1 error, 1 warning. Start a dynamic scale at 2**10 (report.scale)."
+    )
+    assert lines[2].split() == ["severity", "code", "where"]
+    assert lines[3].split() == ["error", "forward-overflow", "a.py:3"]
+    assert lines[4:6] == ["    m.", "    fix: f."]
+    assert lines[6].split() == ["warning", "gradient-underflow", "['w']"]
+    assert lines[-1] == "A note."
+    assert report.codes == {"forward-overflow", "gradient-underflow"}
+    with pytest.raises(ValueError, match="`severity` must be one of"):
+        finding(code="x", severity="fatal", where=None)
+
+
+@pytest.mark.slow
+def test_starting_at_report_scale_loses_no_batch_where_the_default_loses_some():
+    loss_fn, params, x, y = digits_problem(loss="sum")
+    report = lossscale.preflight(loss_fn, params, x, y)
+    tx = optax.adam(1e-3)
+
+    @jax.jit
+    def step(params, opt_state, loss_scale):
+        _, grads = lossscale.value_and_grad(loss_fn)(loss_scale, params, x, y)
+        return lossscale.apply_gradients(
+            tx, grads=grads, params=params, opt_state=opt_state, loss_scale=loss_scale
+        )
+
+    def skipped(start):
+        state = (params, tx.init(params), lossscale.DynamicLossScale(scale=start))
+        for _ in range(40):
+            state = step(*state)
+        return int(lossscale.metrics(state[2])["skipped_steps"])
+
+    # The default start backs off once per skipped batch, from 2**15 to a scale
+    # at which the summed loss's gradients are finite.
+    assert skipped(2.0**15) > 0
+    assert skipped(report.scale) == 0
