@@ -11,7 +11,7 @@ from lossscale._src import checks
 from lossscale._src import fp8
 from lossscale._src import lookup
 from lossscale._src import step
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 
 
 def apply_gradients(
@@ -69,7 +69,7 @@ def apply_gradients(
       >>> print(params, loss_scale.skipped_steps)
       0.5 0
     """
-    checks.check_transformation(tx, "tx")
+    checks.validate_transformation(tx, "tx")
     if not isinstance(loss_scale, LossScale):
         got = (
             f"the class `{loss_scale.__name__}` (pass an instance)"
@@ -81,7 +81,7 @@ def apply_gradients(
             " `lossscale.DynamicLossScale()`), carried from step to step, got"
             f" {got}. (A number or 'dynamic' would start afresh every step.)"
         )
-    options = checks.step_options(axis_name, clip_norm)
+    options = step.step_options(axis_name, clip_norm)
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
     trainable = fp8.trainable(params)
     expected = jax.eval_shape(tx.init, trainable)
@@ -130,7 +130,7 @@ def apply_or_skip(
     params: Any,
     opt_state: optax.OptState,
     loss_scale: LossScale,
-    options: checks.StepOptions,
+    options: step.StepOptions,
     extra_args: dict[str, Any],
 ) -> tuple[Any, optax.OptState, LossScale, jax.Array]:
     """`apply_gradients` on checked arguments; also returns whether it applied."""

@@ -23,8 +23,9 @@ from lossscale._src import flax_serialization  # noqa: F401 - registers the kind
 from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
+from lossscale._src import step
 from lossscale._src import wrapper
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 
 
 class TrainState(train_state.TrainState):
@@ -79,7 +80,7 @@ class TrainState(train_state.TrainState):
         apply_fn,
         params,
         tx: optax.GradientTransformation,
-        loss_scale: kinds.LossScaleLike = "dynamic",
+        loss_scale: kinds.StateOrSpec = "dynamic",
         axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs,
@@ -110,8 +111,8 @@ class TrainState(train_state.TrainState):
           ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
             not positive, or Flax fp8 variables meet an `optax.MultiSteps`.
         """
-        checks.check_transformation(tx, "tx")
-        options = checks.step_options(axis_name, clip_norm)
+        checks.validate_transformation(tx, "tx")
+        options = step.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
         _check_fields(cls, kwargs, "create", ("step", "opt_state"))
         # Flax's fp8 metadata are no optimizer's business (design.md).
@@ -124,7 +125,7 @@ class TrainState(train_state.TrainState):
             params=params,
             tx=tx,
             opt_state=opt_state,
-            loss_scale=kinds.fresh_copy(template),
+            loss_scale=wrapper.fresh_copy(template),
             axis_name=options.axis_name,
             clip_norm=options.clip_norm,
             **kwargs,
@@ -153,7 +154,7 @@ class TrainState(train_state.TrainState):
             `kwargs` field's new value has another tree than its old one, or
             Flax fp8 variables meet an `optax.MultiSteps` state.
         """
-        checks.check_state(self.loss_scale, "loss_scale")
+        kinds.validate_state(self.loss_scale, "loss_scale")
         computed = ("step", "params", "opt_state", "loss_scale")
         _check_fields(type(self), kwargs, "apply_gradients", computed)
         fp8.refuse_accumulation(self.params, self.opt_state, "`TrainState`")
@@ -163,12 +164,12 @@ class TrainState(train_state.TrainState):
             self.params,
             self.opt_state,
             self.loss_scale,
-            checks.StepOptions(self.axis_name, self.clip_norm),
+            step.StepOptions(self.axis_name, self.clip_norm),
             {} if value is None else {"value": value},
         )
-        step = jnp.asarray(self.step)
+        count = jnp.asarray(self.step)
         return self.replace(
-            step=step + applied.astype(step.dtype),
+            step=count + applied.astype(count.dtype),
             params=params,
             opt_state=opt_state,
             loss_scale=loss_scale,
@@ -253,7 +254,7 @@ class Optimizer(nnx.Optimizer):
         tx: optax.GradientTransformation,
         *,
         wrt,
-        loss_scale: kinds.LossScaleLike = "dynamic",
+        loss_scale: kinds.StateOrSpec = "dynamic",
         axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs,

@@ -60,7 +60,7 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
     if callable(loss) and not hasattr(loss, "dtype"):
         _check_no_arguments(loss)
         return lambda: scale_loss(loss(), state)
-    loss = checks.check_loss(loss)
+    loss = checks.validate_loss(loss)
     loss = loss.astype(numerics.wide_dtype(loss.dtype))
     if numerics.always_one(state):
         return loss
@@ -102,7 +102,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     _refuse_swapped(grads, "grads", "unscale_grads(grads, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
-    checks.check_gradients(grads)
+    checks.validate_gradients(grads)
     return fp8.merge(numerics.unscale(grads, state), metadata)
 
 
@@ -145,8 +145,8 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
       ...                axis_name="i")(x))
       [False False]
     """
-    axis_name = checks.check_axis_name(axis_name)
-    checks.check_axis_bound(axis_name, "all_finite")
+    axis_name = checks.validate_axis_name(axis_name)
+    checks.refuse_unbound_axis(axis_name, "all_finite")
     checks.refuse_sparse(tree, "tree")
     return step.agree(numerics.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
 

@@ -67,7 +67,7 @@ def value_and_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     _check_argnums(argnums)
-    axis_name = checks.check_axis_name(axis_name)
+    axis_name = checks.validate_axis_name(axis_name)
 
     def scaled_fun(state, *args, **kwargs):
         loss, aux = split_loss(fun(*args, **kwargs), has_aux, "fun", "fun(...)")
@@ -82,7 +82,7 @@ def value_and_grad(
                 " `grad_fn(loss_scale, *args, **kwargs)`: the loss-scale state, or"
                 " the optimizer state holding it, first, then `fun`'s arguments.)"
             ) from None
-        checks.check_axis_bound(axis_name, "value_and_grad")
+        checks.refuse_unbound_axis(axis_name, "value_and_grad")
         if max(_entries(argnums)) >= len(args):
             raise ValueError(
                 f"`argnums` is {argnums!r} but `fun` was given {len(args)}"
@@ -124,7 +124,7 @@ def split_loss(out: Any, has_aux: bool, name: str, call: str) -> tuple[jax.Array
             f" {_described(out)}.{hint}"
         )
     loss, aux = out if has_aux else (out, None)
-    return checks.check_loss(loss, f"{call}[0]" if has_aux else call), aux
+    return checks.validate_loss(loss, f"{call}[0]" if has_aux else call), aux
 
 
 def _described(out: Any) -> str:

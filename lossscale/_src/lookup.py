@@ -9,8 +9,8 @@ import jax
 import optax
 
 from lossscale._src import checks
-from lossscale._src.base import LossScale
 from lossscale._src.fp8 import OVERWRITE
+from lossscale._src.kind import LossScale
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 
 
 def inverse_scale(state: LossScale) -> jax.Array:

@@ -17,8 +17,22 @@ import jax.numpy as jnp
 
 from lossscale._src import checks
 from lossscale._src import numerics
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 from lossscale._src.update import update
+
+
+class StepOptions(NamedTuple):
+    """The settings of a guarded step, validated once where the step is built."""
+
+    axis_name: checks.AxisName | None
+    clip_norm: float | None
+
+
+def step_options(axis_name: Any, clip_norm: Any) -> StepOptions:
+    """Validates `axis_name` and `clip_norm`; raises naming the bad one."""
+    return StepOptions(
+        checks.validate_axis_name(axis_name), checks.validate_clip_norm(clip_norm)
+    )
 
 
 def guarded_step(
@@ -26,7 +40,7 @@ def guarded_step(
     grads: Any,
     params: Any,
     value: Any,
-    options: checks.StepOptions,
+    options: StepOptions,
     applied_step: Callable[[Any, Any], tuple[Any, Any]],
     carry: Any,
 ) -> tuple[Any, Any, LossScale, jax.Array]:
@@ -59,8 +73,8 @@ def guarded_step(
     Returns:
       `(output, carry, loss_scale, applied)`.
     """
-    checks.check_gradients(grads, params)
-    checks.check_axis_bound(
+    checks.validate_gradients(grads, params)
+    checks.refuse_unbound_axis(
         options.axis_name, "the step (`wrap`'s `update`, `apply_gradients`, ...)"
     )
     checked = numerics.check(
@@ -69,7 +83,7 @@ def guarded_step(
     if value is None:
         loss_finite = jnp.asarray(True)
     else:
-        loss_finite = jnp.isfinite(checks.check_loss(value, "value"))
+        loss_finite = jnp.isfinite(checks.validate_loss(value, "value"))
     grads_finite, loss_finite, first = agree_with_index(
         checked.finite, loss_finite, checked.first, options.axis_name
     )
@@ -149,7 +163,7 @@ def _skipped(types: Any, carry: Any) -> Any:
     where `optax.apply_if_finite` fails: the zeros take the applied types.
     """
     output_types, carry_types = types
-    checks.check_same_types(carry_types, carry)
+    checks.refuse_changed_types(carry_types, carry)
     zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
     return zeros, carry
 

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import lookup
-from lossscale._src.base import LossScale
 from lossscale._src.findings import Finding
 from lossscale._src.findings import PreflightReport
 from lossscale._src.findings import power
+from lossscale._src.kind import LossScale
 from lossscale._src.kinds import StaticLossScale
 
 # An update that differs by more than 2**-8 of its norm between the two scales

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._src import base
 from lossscale._src import checks
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
+from lossscale._src.kind import rule_fields
 
 
 def update(
@@ -65,12 +65,12 @@ def update(
     applied = grads_finite & loss_finite
     backward_overflow = loss_finite & ~grads_finite
     # A forward overflow keeps the rule's fields: the scale did not cause it.
-    rule_fields = {
+    kept_on_forward_overflow = {
         name: jnp.where(loss_finite, getattr(ruled, name), getattr(loss_scale, name))
-        for name in base.rule_fields(type(loss_scale))
+        for name in rule_fields(type(loss_scale))
     }
     return loss_scale.replace(
-        **rule_fields,
+        **kept_on_forward_overflow,
         skipped_steps=jnp.where(
             applied,
             loss_scale.skipped_steps,
@@ -105,7 +105,7 @@ def _ruled(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
             f"`{kind}.rule` returned a state with other settings; it must keep"
             " them (return `self.replace(...)`)."
         )
-    for name in base.rule_fields(type(loss_scale)):
+    for name in rule_fields(type(loss_scale)):
         old, new = getattr(loss_scale, name), getattr(ruled, name)
         if (jnp.shape(new), jnp.result_type(new)) != (jnp.shape(old), old.dtype):
             raise TypeError(

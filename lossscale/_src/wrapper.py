@@ -14,7 +14,7 @@ from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src import step
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 
 
 class WrapState(NamedTuple):
@@ -46,7 +46,7 @@ class WrapState(NamedTuple):
 
 def wrap(
     inner: optax.GradientTransformation,
-    loss_scale: kinds.LossScaleLike = "dynamic",
+    loss_scale: kinds.StateOrSpec = "dynamic",
     *,
     axis_name: checks.AxisName | None = None,
     clip_norm: float | None = None,
@@ -94,10 +94,10 @@ def wrap(
     accumulates = isinstance(inner, optax.MultiSteps)
     if accumulates:
         inner = inner.gradient_transformation()
-    checks.check_transformation(inner, "inner")
+    checks.validate_transformation(inner, "inner")
     inner = optax.with_extra_args_support(inner)
     template = kinds.from_spec(loss_scale)
-    options = checks.step_options(axis_name, clip_norm)
+    options = step.step_options(axis_name, clip_norm)
 
     def init_fn(params):
         trainable, fp8_metadata = fp8.split_off(params, "params")
@@ -109,7 +109,7 @@ def wrap(
         if accumulates and fp8_metadata is not None:
             pending = fp8.unproduced_like(fp8_metadata)
         # Fresh buffers on every call, so the state is safe to donate.
-        return WrapState(kinds.fresh_copy(template), inner_state, pending)
+        return WrapState(fresh_copy(template), inner_state, pending)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, WrapState):
@@ -117,7 +117,7 @@ def wrap(
                 "`state` must be the `WrapState` returned by this transformation's"
                 f" `init`, got {type(state).__name__}."
             )
-        checks.check_state(state.loss_scale, "state.loss_scale")
+        kinds.validate_state(state.loss_scale, "state.loss_scale")
 
         split = fp8.split(updates, params)
 
@@ -161,3 +161,8 @@ def wrap(
         return updates, WrapState(loss_scale, inner_state, pending)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def fresh_copy(state: LossScale) -> LossScale:
+    """`state` with new buffers: safe to donate without touching the original."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
