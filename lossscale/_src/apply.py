@@ -101,10 +101,32 @@ def apply_gradients(
     fp8.refuse_accumulation(params, opt_state, "`apply_gradients`")
     if value is not None:
         extra_args["value"] = value
-    params, opt_state, loss_scale, _ = apply_or_skip(
-        tx, grads, params, opt_state, loss_scale, options, extra_args
+    result = step.guarded_step(
+        step.StepInput(loss_scale, grads, params, value, options),
+        optimizer_update(tx, extra_args),
+        opt_state,
+        apply_updates=True,
     )
-    return params, opt_state, loss_scale
+    return result.output, result.carry, result.loss_scale
+
+
+def optimizer_update(tx: optax.GradientTransformation, extra_args: dict) -> Any:
+    """`tx.update` as a guarded step runs it: the optimizer of `apply_gradients`.
+
+    Flax's fp8 collection takes its new values (`fp8.written`). Shared with
+    `lossscale.flax.TrainState`.
+    """
+    if extra_args:
+        tx = optax.with_extra_args_support(tx)
+
+    def update(given: step.OptimizerInput) -> step.OptimizerOutput:
+        updates, opt_state = tx.update(
+            given.grads, given.carry, given.params, **extra_args
+        )
+        written = fp8.written(given.fp8_new, given.fp8_old)
+        return step.OptimizerOutput(updates, opt_state, written)
+
+    return update
 
 
 def _first_difference(got: Any, expected: Any) -> str:
@@ -122,38 +144,3 @@ def _first_difference(got: Any, expected: Any) -> str:
         f"the same leaves in other containers ({type(got).__name__} where"
         f" `tx.init(params)` gives {type(expected).__name__})"
     )
-
-
-def apply_or_skip(
-    tx: optax.GradientTransformation,
-    grads: Any,
-    params: Any,
-    opt_state: optax.OptState,
-    loss_scale: LossScale,
-    options: step.StepOptions,
-    extra_args: dict[str, Any],
-) -> tuple[Any, optax.OptState, LossScale, jax.Array]:
-    """`apply_gradients` on checked arguments; also returns whether it applied."""
-    if extra_args:
-        tx = optax.with_extra_args_support(tx)
-
-    split = fp8.split(grads, params)
-
-    def optimizer_step(grads, carry):
-        params, opt_state, metadata = carry
-        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-        params = optax.apply_updates(params, updates)
-        if metadata is not None:
-            metadata = fp8.written(split.new, metadata)
-        return None, (params, opt_state, metadata)
-
-    _, (params, opt_state, metadata), loss_scale, applied = step.guarded_step(
-        loss_scale,
-        split.grads,
-        split.params,
-        extra_args.get("value"),
-        options,
-        optimizer_step,
-        (split.params, opt_state, split.old),
-    )
-    return fp8.merge(params, metadata), opt_state, loss_scale, applied

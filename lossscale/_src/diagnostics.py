@@ -11,14 +11,14 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import lookup
+from lossscale._src import unscaling
+from lossscale._src.update import was_applied
 
 _FLOAT16 = np.finfo(np.float16)
 # Nonzero magnitudes below the smallest subnormal (2**-24) are lost in float16.
 _SMALLEST_SUBNORMAL = float(_FLOAT16.smallest_subnormal)
 # Magnitudes at or above max + ulp/2 (65520) round to inf in float16.
-_OVERFLOW_THRESHOLD = (
-    float(_FLOAT16.max) + 2.0 ** (_FLOAT16.maxexp - 1) * float(_FLOAT16.eps) / 2
-)
+_OVERFLOW_THRESHOLD = unscaling.overflow_threshold(np.float16)
 
 
 def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
@@ -192,8 +192,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
         "forward_overflows": forward_overflows,
         "backward_overflows": skipped_steps - forward_overflows,
         "consecutive_skips": consecutive_skips,
-        # Derived, not stored: the latest step was applied iff no skip is pending.
-        "last_finite": consecutive_skips == jnp.zeros([], jnp.int32),
+        "last_finite": was_applied(state),
         "stuck": jnp.asarray(state.stuck),
         "overflow_leaf": jnp.asarray(state.overflow_leaf),
     }

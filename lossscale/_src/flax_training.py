@@ -18,7 +18,6 @@ from flax.training import train_state
 
 from lossscale._src import apply
 from lossscale._src import checks
-from lossscale._src import diagnostics
 from lossscale._src import flax_serialization  # noqa: F401 - registers the kinds
 from lossscale._src import fp8
 from lossscale._src import kinds
@@ -26,6 +25,7 @@ from lossscale._src import lookup
 from lossscale._src import step
 from lossscale._src import wrapper
 from lossscale._src.kind import LossScale
+from lossscale._src.update import was_applied
 
 
 class TrainState(train_state.TrainState):
@@ -158,21 +158,19 @@ class TrainState(train_state.TrainState):
         computed = ("step", "params", "opt_state", "loss_scale")
         _check_fields(type(self), kwargs, "apply_gradients", computed)
         fp8.refuse_accumulation(self.params, self.opt_state, "`TrainState`")
-        params, opt_state, loss_scale, applied = apply.apply_or_skip(
-            self.tx,
-            grads,
-            self.params,
+        options = step.StepOptions(self.axis_name, self.clip_norm)
+        result = step.guarded_step(
+            step.StepInput(self.loss_scale, grads, self.params, value, options),
+            apply.optimizer_update(self.tx, {} if value is None else {"value": value}),
             self.opt_state,
-            self.loss_scale,
-            step.StepOptions(self.axis_name, self.clip_norm),
-            {} if value is None else {"value": value},
+            apply_updates=True,
         )
-        count = jnp.asarray(self.step)
+        applied, count = result.applied, jnp.asarray(self.step)
         return self.replace(
             step=count + applied.astype(count.dtype),
-            params=params,
-            opt_state=opt_state,
-            loss_scale=loss_scale,
+            params=result.output,
+            opt_state=result.carry,
+            loss_scale=result.loss_scale,
             **{name: self._kept(name, new, applied) for name, new in kwargs.items()},
         )
 
@@ -281,6 +279,8 @@ class Optimizer(nnx.Optimizer):
         """
         updates = super().update(model, grads, **kwargs)
         # `nnx.Optimizer.update` always counts a step; take a skipped one back.
-        skipped = ~diagnostics.metrics(self.loss_scale)["last_finite"]
+        # (It runs the step through `tx.update`, whose result has no `applied`:
+        # the loss-scale state records it.)
+        skipped = ~was_applied(self.loss_scale)
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates

@@ -9,10 +9,10 @@ from typing import Any
 import jax
 
 from lossscale._src import checks
+from lossscale._src import finite
 from lossscale._src import fp8
 from lossscale._src import lookup
-from lossscale._src import numerics
-from lossscale._src import step
+from lossscale._src import unscaling
 
 
 def scale_loss(loss: Any, loss_scale: Any) -> Any:
@@ -61,8 +61,8 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
         _check_no_arguments(loss)
         return lambda: scale_loss(loss(), state)
     loss = checks.validate_loss(loss)
-    loss = loss.astype(numerics.wide_dtype(loss.dtype))
-    if numerics.always_one(state):
+    loss = loss.astype(unscaling.wide_dtype(loss.dtype))
+    if unscaling.always_one(state):
         return loss
     return loss * state.scale.astype(loss.dtype)
 
@@ -103,7 +103,7 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
     checks.validate_gradients(grads)
-    return fp8.merge(numerics.unscale(grads, state), metadata)
+    return fp8.merge(unscaling.unscale(grads, state), metadata)
 
 
 def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array:
@@ -148,7 +148,7 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
     axis_name = checks.validate_axis_name(axis_name)
     checks.refuse_unbound_axis(axis_name, "all_finite")
     checks.refuse_sparse(tree, "tree")
-    return step.agree(numerics.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
+    return finite.agree(finite.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
 
 
 def _refuse_swapped(first: Any, name: str, call: str) -> None:

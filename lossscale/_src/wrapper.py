@@ -119,46 +119,30 @@ def wrap(
             )
         kinds.validate_state(state.loss_scale, "state.loss_scale")
 
-        split = fp8.split(updates, params)
-
-        def inner_step(grads, carry):
-            inner_state, pending = carry
-            updates, new_inner_state = inner.update(
-                grads, inner_state, split.params, **extra_args
+        def inner_update(given: step.OptimizerInput) -> step.OptimizerOutput:
+            inner_state, pending = given.carry
+            updates, inner_state = inner.update(
+                given.grads, inner_state, given.params, **extra_args
             )
-            if split.old is None:
-                return (updates, None), (new_inner_state, pending)
-            if pending is None:
-                written = fp8.written(split.new, split.old)
-            else:
-                pending = fp8.maximum(pending, split.new)
-                stepped = new_inner_state.mini_step == 0  # MultiSteps emitted
-                written = jax.tree.map(
-                    lambda new, old: jnp.where(stepped, new, old),
-                    fp8.written(pending, split.old),
-                    split.old,
+            if given.fp8_old is None or pending is None:
+                written = fp8.written(given.fp8_new, given.fp8_old)
+            else:  # accumulating: written when `optax.MultiSteps` emits
+                stepped = inner_state.mini_step == 0
+                written, pending = fp8.accumulated(
+                    pending, given.fp8_new, given.fp8_old, stepped
                 )
-                pending = jax.tree.map(
-                    lambda p: jnp.where(stepped, -jnp.inf, p), pending
-                )
-            return (updates, fp8.differences(written, split.old)), (
-                new_inner_state,
-                pending,
-            )
+            return step.OptimizerOutput(updates, (inner_state, pending), written)
 
-        (updates, differences), (inner_state, pending), loss_scale, _ = (
-            step.guarded_step(
-                state.loss_scale,
-                split.grads,
-                split.params,
-                extra_args.get("value"),
-                options,
-                inner_step,
-                (state.inner_state, state.pending_overwrite),
-            )
+        result = step.guarded_step(
+            step.StepInput(
+                state.loss_scale, updates, params, extra_args.get("value"), options
+            ),
+            inner_update,
+            (state.inner_state, state.pending_overwrite),
+            apply_updates=False,
         )
-        updates = fp8.merge(updates, differences)
-        return updates, WrapState(loss_scale, inner_state, pending)
+        inner_state, pending = result.carry
+        return result.output, WrapState(result.loss_scale, inner_state, pending)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
