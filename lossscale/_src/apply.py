@@ -29,11 +29,9 @@ def apply_gradients(
     """Applies the gradients of a scaled loss with `tx`, or skips the step.
 
     The functional form of `lossscale.flax.TrainState.apply_gradients`: what
-    `lossscale.wrap(tx)` and `optax.apply_updates` do, bit for bit, with the
-    unscaling, `tx.update` and `apply_updates` all in the applied branch of one
-    `jax.lax.cond` (cheaper: `docs/guides/performance.md`). A step is applied when
-    every unscaled gradient, and `value` if given, is finite; otherwise `params`
-    and `opt_state` come back unchanged, and only the loss-scale state moves.
+    `lossscale.wrap(tx)` and `optax.apply_updates` do, bit for bit, in one step. A
+    step is applied when every unscaled gradient, and `value` if given, is finite;
+    otherwise `params` and `opt_state` come back unchanged, bit for bit.
 
     Args:
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.
@@ -41,8 +39,7 @@ def apply_gradients(
       params: the parameters (with Flax fp8 layers, the whole variables dict).
       opt_state: `tx.init(params)` (without the fp8 collection, if any).
       loss_scale: the loss-scale state, carried from step to step.
-      value: the unscaled loss, optional: if not finite, the step is skipped as a
-        forward overflow. Passed on to `tx` with `**extra_args`.
+      value: the unscaled loss, optional (a forward overflow if not finite).
       axis_name: as in `lossscale.wrap`.
       clip_norm: as in `lossscale.wrap`.
       **extra_args: extra arguments for `tx.update`.

@@ -114,7 +114,7 @@ class TrainState(train_state.TrainState):
         checks.validate_transformation(tx, "tx")
         options = step.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
-        _check_fields(cls, kwargs, "create", ("step", "opt_state"))
+        _validate_field_names(cls, kwargs, "create", ("step", "opt_state"))
         # Flax's fp8 metadata are no optimizer's business (design.md).
         opt_state = tx.init(fp8.trainable(params))
         lookup.refuse_wrapped(opt_state, "tx", "the train state")
@@ -156,7 +156,7 @@ class TrainState(train_state.TrainState):
         """
         kinds.validate_state(self.loss_scale, "loss_scale")
         computed = ("step", "params", "opt_state", "loss_scale")
-        _check_fields(type(self), kwargs, "apply_gradients", computed)
+        _validate_field_names(type(self), kwargs, "apply_gradients", computed)
         fp8.refuse_accumulation(self.params, self.opt_state, "`TrainState`")
         options = step.StepOptions(self.axis_name, self.clip_norm)
         result = step.guarded_step(
@@ -190,7 +190,9 @@ class TrainState(train_state.TrainState):
         return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
-def _check_fields(cls: type, kwargs: dict, method: str, computed: tuple) -> None:
+def _validate_field_names(
+    cls: type, kwargs: dict, method: str, computed: tuple
+) -> None:
     """Raises `TypeError` naming a keyword that is no field `method` takes."""
     names = [f.name for f in dataclasses.fields(cls)]
     for name in kwargs:

@@ -1,4 +1,4 @@
-"""The per-step functions: scale the loss, unscale gradients, check, select."""
+"""The per-step functions: scale the loss, unscale the gradients, check finiteness."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
     _refuse_swapped(loss, "loss", "scale_loss(loss, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     if callable(loss) and not hasattr(loss, "dtype"):
-        _check_no_arguments(loss)
+        _refuse_arguments(loss)
         return lambda: scale_loss(loss(), state)
     loss = checks.validate_loss(loss)
     loss = loss.astype(unscaling.wide_dtype(loss.dtype))
@@ -163,7 +163,7 @@ def _refuse_swapped(first: Any, name: str, call: str) -> None:
         )
 
 
-def _check_no_arguments(loss_fn: Callable[[], Any]) -> None:
+def _refuse_arguments(loss_fn: Callable[[], Any]) -> None:
     try:
         inspect.signature(loss_fn).bind()
     except TypeError:

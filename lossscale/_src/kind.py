@@ -19,10 +19,8 @@ from lossscale._src.kind_fields import field
 class LossScale:
     """Base class of loss-scale states; subclass it to define a kind of your own.
 
-    A state is a frozen, keyword-only dataclass and a pytree: each array field
-    (`lossscale.field(dtype=...)`) is a leaf named by its field, each setting
-    (`lossscale.field(static=True)`) part of the tree structure. A kind
-    subclasses `LossScale` (which makes it a dataclass) and defines
+    A state is a frozen, keyword-only dataclass and a pytree whose leaves are its
+    array fields (`lossscale.field`). A kind subclasses `LossScale` and defines
 
     * its fields, each with a default if `from_config` is to build it;
     * `scale`: the current loss scale, a float32 scalar (a field or a property);
@@ -38,8 +36,7 @@ class LossScale:
     (bool) and `overflow_leaf` (int32, written by the guarded steps).
 
     Examples:
-      TF contrib's test manager: the scale goes up by one after a finite step and
-      down by one after a non-finite one.
+      The scale goes up by one after a finite step, down by one after another:
 
       >>> import jax, jax.numpy as jnp
       >>> import lossscale

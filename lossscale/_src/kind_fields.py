@@ -44,8 +44,7 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
 ) -> Any:
     """Declares a field of a loss-scale kind: an array leaf or a static setting.
 
-    `dataclasses.field` for a kind (see `lossscale.LossScale`). An array field is
-    a pytree leaf named by the field, of a fixed dtype and shape. A static field
+    An array field is a pytree leaf of a fixed dtype and shape; a static field
     (`static=True`) is a setting: a Python value compiled into the step and
     reported by `get_config`, like `flax.struct.field(pytree_node=False)`.
 
@@ -58,8 +57,7 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
       default: the value when the constructor is not given one: for an array
         field a Python number or bool (cast), or None for one `__post_init__`
         sets; for a setting its value (a list becomes a tuple, as from JSON).
-      kw_only: `False` lets the constructor take it by position (the fields are
-        keyword-only by default).
+      kw_only: `False` lets the constructor take it by position.
 
     Returns:
       A `dataclasses.field`, to assign in the class body.

@@ -103,8 +103,7 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     * non-finite loss (a forward overflow): skipped and counted; the rule's
       fields stay as they are.
 
-    Float settings are kept as the float32 values the rule uses (0.7 reads back
-    as 0.699999988).
+    Float settings are kept as the float32 values the rule uses.
 
     Args:
       scale: the first scale; by default 2**15 moved into `[min_scale, max_scale]`.
