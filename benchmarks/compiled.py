@@ -336,6 +336,8 @@ def main(argv=None) -> int:
                     continue
                 fixed = {"part": "train step", "tree": model, "grads": compute}
                 fixed["variant"] = name
+                if name == TRAIN_BASELINE:  # the same step, in the run's dtype
+                    fixed["variant"] = name.replace("float16", compute)
                 rows.append(
                     attempt(args.target, device, make(loss_fn), params, batch, fixed)
                 )
@@ -357,7 +359,10 @@ def main(argv=None) -> int:
         return params_bytes[key]
 
     _ratios([r for r in rows if r["part"] == "optimizer"], BASELINE, floor_extra)
-    _ratios([r for r in rows if r["part"] != "optimizer"], TRAIN_BASELINE, floor_extra)
+    train = [r for r in rows if r["part"] != "optimizer"]
+    for compute in args.compute.split(","):
+        baseline = TRAIN_BASELINE.replace("float16", compute)
+        _ratios([r for r in train if r["grads"] == compute], baseline, floor_extra)
     found = versions()
     heading = (
         f"# Compiled steps for {device.device_kind} ({args.target}), deviceless\n\n"
