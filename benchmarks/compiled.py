@@ -279,6 +279,41 @@ def versions() -> dict:
     return found
 
 
+def _command_of(run: dict) -> str:
+    # Runs stored before the command was recorded: read it back from the rows.
+    def listed(part, key):
+        found = dict.fromkeys(r[key] for r in run["rows"] if r["part"] == part)
+        return ",".join(found) or "none"
+
+    return (
+        f"python benchmarks/compiled.py --target {run['target']}"
+        f" --trees {listed('optimizer', 'tree')}"
+        f" --grad-dtypes {listed('optimizer', 'grads')}"
+        f" --train-steps {listed('train step', 'tree')}"
+    )
+
+
+def write(out, target, device_kind, found, rows, commands) -> None:
+    """Stores one target's rows as `out`.md (the table) and `out`.json."""
+    runs = " and ".join(f"`{c}`" for c in commands)
+    heading = (
+        f"# Compiled steps for {device_kind} ({target}), deviceless\n\n"
+        f"{runs} ({', '.join(f'{k} {v}' for k, v in found.items())}). What XLA would"
+        " run, read from the compiled program, not a timing. Baselines: plain"
+        " `optax.adam` (optimizer step), the float16/bfloat16 step without loss"
+        " scaling (train step). Floor: the baseline's bytes plus one read of the"
+        " gradients. Compile s: trace, lower and compile on a 2-core host, shared"
+        " with other work: a rough figure.\n"
+    )
+    text = heading + "\n" + table(rows, target) + "\n"
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    record = {"target": target, "command": " and ".join(commands), "versions": found}
+    with open(out + ".json", "w") as f:
+        json.dump({**record, "rows": rows}, f, indent=1)
+    print(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -294,11 +329,25 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out", default=None, help="default: results/compiled_<target>"
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="write one result from runs of the same target (e.g. `many` run apart)",
+    )
     args = parser.parse_args(argv)
     out = args.out or os.path.join(
         os.path.dirname(__file__), "results", f"compiled_{args.target}"
     )
     device = device_for(args.target)
+    if args.merge:
+        runs = [json.load(open(path)) for path in args.merge]
+        if any(run["target"] != args.target for run in runs):
+            raise SystemExit(f"--merge: every run must be of --target {args.target}")
+        commands = [run.get("command") or _command_of(run) for run in runs]
+        rows = [row for run in runs for row in run["rows"]]
+        write(out, args.target, device.device_kind, runs[0]["versions"], rows, commands)
+        return 0
     chosen = [
         name
         for name in optimizer_step.VARIANTS
@@ -336,6 +385,8 @@ def main(argv=None) -> int:
                     continue
                 fixed = {"part": "train step", "tree": model, "grads": compute}
                 fixed["variant"] = name
+                if name == TRAIN_BASELINE:  # the same step, in the run's dtype
+                    fixed["variant"] = name.replace("float16", compute)
                 rows.append(
                     attempt(args.target, device, make(loss_fn), params, batch, fixed)
                 )
@@ -357,24 +408,16 @@ def main(argv=None) -> int:
         return params_bytes[key]
 
     _ratios([r for r in rows if r["part"] == "optimizer"], BASELINE, floor_extra)
-    _ratios([r for r in rows if r["part"] != "optimizer"], TRAIN_BASELINE, floor_extra)
-    found = versions()
-    heading = (
-        f"# Compiled steps for {device.device_kind} ({args.target}), deviceless\n\n"
-        f"`python benchmarks/compiled.py --target {args.target}"
-        f" --trees {args.trees} --grad-dtypes {args.grad_dtypes}`"
-        f" ({', '.join(f'{k} {v}' for k, v in found.items())}). What XLA would run,"
-        " read from the compiled program, not a timing. Baselines: plain"
-        " `optax.adam` (optimizer step), the float16/bfloat16 step without loss"
-        " scaling (train step). Floor: the baseline's bytes plus one read of the"
-        " gradients. Compile s: trace, lower and compile on a 2-core host.\n"
+    train = [r for r in rows if r["part"] != "optimizer"]
+    for compute in args.compute.split(","):
+        baseline = TRAIN_BASELINE.replace("float16", compute)
+        _ratios([r for r in train if r["grads"] == compute], baseline, floor_extra)
+    command = (
+        f"python benchmarks/compiled.py --target {args.target}"
+        f" --trees {args.trees} --grad-dtypes {args.grad_dtypes}"
+        f" --train-steps {args.train_steps}"
     )
-    text = heading + "\n" + table(rows, args.target) + "\n"
-    print(text)
-    with open(out + ".md", "w") as f:
-        f.write(text)
-    with open(out + ".json", "w") as f:
-        json.dump({"target": args.target, "versions": found, "rows": rows}, f, indent=1)
+    write(out, args.target, device.device_kind, versions(), rows, [command])
     return 1 if any("error" in r for r in rows) else 0
 
 
