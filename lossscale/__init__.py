@@ -9,19 +9,19 @@ Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
 from lossscale._src.apply import apply_gradients
-from lossscale._src.base import LossScale
 from lossscale._src.checkpoints import check_config
 from lossscale._src.checkpoints import checkpoint_0_2_layout
 from lossscale._src.checkpoints import from_checkpoint_0_2
 from lossscale._src.diagnostics import grad_stats
 from lossscale._src.diagnostics import metrics
-from lossscale._src.fields import field
 from lossscale._src.findings import Finding
 from lossscale._src.findings import PreflightReport
 from lossscale._src.functional import all_finite
 from lossscale._src.functional import scale_loss
 from lossscale._src.functional import unscale_grads
 from lossscale._src.grad import value_and_grad
+from lossscale._src.kind import LossScale
+from lossscale._src.kind_fields import field
 from lossscale._src.kinds import DynamicLossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.kinds import StaticLossScale
@@ -69,6 +69,6 @@ __all__ = (
 
 def __getattr__(name: str):
     # lossscale 0.2's removed names: an alias that warns, or an error naming 0.3's.
-    from lossscale._src import deprecation
+    from lossscale._src import compat_0_2
 
-    return deprecation.module_attribute(name)
+    return compat_0_2.module_attribute(name)

@@ -57,10 +57,10 @@ def backend_form(request, monkeypatch):
     select instead of a cond) are plain JAX: on the CPU they must give the CPU
     form's results, bit for bit.
     """
-    from lossscale._src import numerics
+    from lossscale._src import finite
 
     def chosen(*args, cpu, gpu, tpu):
         return {"cpu": cpu, "gpu": gpu, "tpu": tpu}[request.param](*args)
 
-    monkeypatch.setattr(numerics, "per_backend", chosen)
+    monkeypatch.setattr(finite, "per_backend", chosen)
     return request.param

@@ -1,8 +1,8 @@
-"""Numerics (`_src/numerics.py`) on trees the size and shape of real models: many
+"""Numerics (`_src/finite.py`) on trees the size and shape of real models: many
 small leaves, odd sizes, 1000 leaves.
 
 The finiteness check and the clipping norm reduce small leaves in groups
-(`numerics.GROUP_BELOW`); these tests hold them to a numpy reference on trees
+(`finite.GROUP_BELOW`); these tests hold them to a numpy reference on trees
 where grouping matters, and hold a 1000-leaf step to plain optax.
 """
 
@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import settings
 
 import lossscale
-from lossscale._src import numerics
+from lossscale._src import finite
 
 pytestmark = pytest.mark.usefixtures("strict_promotion")
 
@@ -81,7 +81,7 @@ def small_leaf_trees(draw):
         dtype = draw(st.sampled_from(DTYPES))
         leaves.append(np.full(shape, 0.5 + i, np.float32).astype(dtype))
     if draw(st.booleans()):
-        leaves.append(np.ones((numerics.GROUP_BELOW,), np.float16))
+        leaves.append(np.ones((finite.GROUP_BELOW,), np.float16))
     if draw(st.booleans()):
         leaf = draw(st.integers(0, len(leaves) - 1))
         flat = leaves[leaf].reshape(-1).copy()
@@ -119,7 +119,7 @@ def test_grouped_clip_norm_agrees_with_optax(grads):
 
 # The forms lowered for XLA:GPU (every leaf stacked by shape) and for the TPU (a
 # reduction per leaf, scalars combined) run here on the CPU, against numpy.
-FORMS = {"cpu": numerics._grouped, "gpu": numerics._partials, "tpu": numerics._each}
+FORMS = {"cpu": finite._grouped, "gpu": finite._partials, "tpu": finite._each}
 
 
 def numpy_first_nonfinite(leaves):

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import lossscale
 import lossscale.flax
-from lossscale._src import numerics
+from lossscale._src import finite
+from lossscale._src import unscaling
 
 
 def reference_first_nonfinite(leaves):
@@ -30,7 +31,7 @@ def reference_first_nonfinite(leaves):
 
 # Small leaves are stacked by shape and dtype (one flag per leaf), large ones reduced
 # alone: the trees mix both, and float16 with float32.
-SHAPES = [(3,), (3,), (2, 2), (numerics.GROUP_BELOW,), (70, 60)]
+SHAPES = [(3,), (3,), (2, 2), (finite.GROUP_BELOW,), (70, 60)]
 
 
 @st.composite
@@ -57,7 +58,7 @@ def test_the_index_is_the_first_non_finite_leaf_as_numpy_finds_it(leaves):
     grads = {f"g{i:02d}": leaf for i, leaf in enumerate(leaves)}
 
     def first(grads, state):
-        return numerics.check(grads, state).first
+        return finite.check(unscaling.values_to_check(grads, state), state).first
 
     index = jax.jit(first)(grads, lossscale.StaticLossScale(1.0))
     assert int(index) == reference_first_nonfinite(leaves)

@@ -11,7 +11,7 @@ from lossscale._src import checks
 from lossscale._src import fp8
 from lossscale._src import lookup
 from lossscale._src import step
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 
 
 def apply_gradients(
@@ -29,11 +29,9 @@ def apply_gradients(
     """Applies the gradients of a scaled loss with `tx`, or skips the step.
 
     The functional form of `lossscale.flax.TrainState.apply_gradients`: what
-    `lossscale.wrap(tx)` and `optax.apply_updates` do, bit for bit, with the
-    unscaling, `tx.update` and `apply_updates` all in the applied branch of one
-    `jax.lax.cond` (cheaper: `docs/guides/performance.md`). A step is applied when
-    every unscaled gradient, and `value` if given, is finite; otherwise `params`
-    and `opt_state` come back unchanged, and only the loss-scale state moves.
+    `lossscale.wrap(tx)` and `optax.apply_updates` do, bit for bit, in one step. A
+    step is applied when every unscaled gradient, and `value` if given, is finite;
+    otherwise `params` and `opt_state` come back unchanged, bit for bit.
 
     Args:
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.
@@ -41,8 +39,7 @@ def apply_gradients(
       params: the parameters (with Flax fp8 layers, the whole variables dict).
       opt_state: `tx.init(params)` (without the fp8 collection, if any).
       loss_scale: the loss-scale state, carried from step to step.
-      value: the unscaled loss, optional: if not finite, the step is skipped as a
-        forward overflow. Passed on to `tx` with `**extra_args`.
+      value: the unscaled loss, optional (a forward overflow if not finite).
       axis_name: as in `lossscale.wrap`.
       clip_norm: as in `lossscale.wrap`.
       **extra_args: extra arguments for `tx.update`.
@@ -69,7 +66,7 @@ def apply_gradients(
       >>> print(params, loss_scale.skipped_steps)
       0.5 0
     """
-    checks.check_transformation(tx, "tx")
+    checks.validate_transformation(tx, "tx")
     if not isinstance(loss_scale, LossScale):
         got = (
             f"the class `{loss_scale.__name__}` (pass an instance)"
@@ -81,7 +78,7 @@ def apply_gradients(
             " `lossscale.DynamicLossScale()`), carried from step to step, got"
             f" {got}. (A number or 'dynamic' would start afresh every step.)"
         )
-    options = checks.step_options(axis_name, clip_norm)
+    options = step.step_options(axis_name, clip_norm)
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
     trainable = fp8.trainable(params)
     expected = jax.eval_shape(tx.init, trainable)
@@ -101,10 +98,32 @@ def apply_gradients(
     fp8.refuse_accumulation(params, opt_state, "`apply_gradients`")
     if value is not None:
         extra_args["value"] = value
-    params, opt_state, loss_scale, _ = apply_or_skip(
-        tx, grads, params, opt_state, loss_scale, options, extra_args
+    result = step.guarded_step(
+        step.StepInput(loss_scale, grads, params, value, options),
+        optimizer_update(tx, extra_args),
+        opt_state,
+        apply_updates=True,
     )
-    return params, opt_state, loss_scale
+    return result.output, result.carry, result.loss_scale
+
+
+def optimizer_update(tx: optax.GradientTransformation, extra_args: dict) -> Any:
+    """`tx.update` as a guarded step runs it: the optimizer of `apply_gradients`.
+
+    Flax's fp8 collection takes its new values (`fp8.written`). Shared with
+    `lossscale.flax.TrainState`.
+    """
+    if extra_args:
+        tx = optax.with_extra_args_support(tx)
+
+    def update(given: step.OptimizerInput) -> step.OptimizerOutput:
+        updates, opt_state = tx.update(
+            given.grads, given.carry, given.params, **extra_args
+        )
+        written = fp8.written(given.fp8_new, given.fp8_old)
+        return step.OptimizerOutput(updates, opt_state, written)
+
+    return update
 
 
 def _first_difference(got: Any, expected: Any) -> str:
@@ -122,38 +141,3 @@ def _first_difference(got: Any, expected: Any) -> str:
         f"the same leaves in other containers ({type(got).__name__} where"
         f" `tx.init(params)` gives {type(expected).__name__})"
     )
-
-
-def apply_or_skip(
-    tx: optax.GradientTransformation,
-    grads: Any,
-    params: Any,
-    opt_state: optax.OptState,
-    loss_scale: LossScale,
-    options: checks.StepOptions,
-    extra_args: dict[str, Any],
-) -> tuple[Any, optax.OptState, LossScale, jax.Array]:
-    """`apply_gradients` on checked arguments; also returns whether it applied."""
-    if extra_args:
-        tx = optax.with_extra_args_support(tx)
-
-    split = fp8.split(grads, params)
-
-    def optimizer_step(grads, carry):
-        params, opt_state, metadata = carry
-        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-        params = optax.apply_updates(params, updates)
-        if metadata is not None:
-            metadata = fp8.written(split.new, metadata)
-        return None, (params, opt_state, metadata)
-
-    _, (params, opt_state, metadata), loss_scale, applied = step.guarded_step(
-        loss_scale,
-        split.grads,
-        split.params,
-        extra_args.get("value"),
-        options,
-        optimizer_step,
-        (split.params, opt_state, split.old),
-    )
-    return fp8.merge(params, metadata), opt_state, loss_scale, applied

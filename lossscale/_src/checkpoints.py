@@ -18,13 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale._src import deprecation
+from lossscale._src import kind_fields
+from lossscale._src import kind_validation
 from lossscale._src import lookup
-from lossscale._src.base import COUNTERS
-from lossscale._src.base import LossScale
-from lossscale._src.registry import build
-from lossscale._src.registry import checked_config
-from lossscale._src.registry import kind_named
-from lossscale._src.registry import known_kinds
+from lossscale._src.kind import COUNTERS
+from lossscale._src.kind import LossScale
+from lossscale._src.kind import known_kinds
+from lossscale._src.kind import registered
 
 
 def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
@@ -167,8 +168,8 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
         )
     config = _upgraded(config)
     layout = _layout(_kind(config))
-    _check_arrays(arrays, layout, config["kind"])
-    state = build(LossScale, config)
+    _validate_arrays(arrays, layout, config["kind"])
+    state = LossScale.from_config(config)
     values = {}
     batch = None
     for name, (_dtype, slots) in layout.items():
@@ -183,15 +184,16 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
         batch = packed.shape[:-1]  # a state stacked for `pmap` has some
         offset = 0
         for field, size in slots:
-            shape = type(state)._specs[field].shape
+            shape = kind_fields.specs(type(state))[field].shape
             value = packed[..., offset : offset + size]
             values[field] = value.reshape(batch + shape)
             offset += size
-    kind = type(state)
+    specs = kind_fields.specs(type(state))
     for name in NEW_IN_0_3:  # not in a 0.2 checkpoint: its default, stacked alike
         default = jnp.asarray(getattr(state, name))
         values[name] = jnp.broadcast_to(default, batch + default.shape)
-    leaves = [values[n].astype(kind._specs[n].dtype) for n in kind._leaves]
+    names = kind_fields.leaf_names(type(state))
+    leaves = [values[n].astype(specs[n].dtype) for n in names]
     return jax.tree.unflatten(jax.tree.structure(state), leaves)
 
 
@@ -201,7 +203,7 @@ def _is_packed(value: Any) -> bool:
     )
 
 
-def _check_arrays(arrays: Any, layout: dict, kind: str) -> None:
+def _validate_arrays(arrays: Any, layout: dict, kind: str) -> None:
     """Raises unless `arrays` holds restored arrays by the names of `layout`."""
     if isinstance(arrays, LossScale):
         raise TypeError(
@@ -235,22 +237,15 @@ def _check_arrays(arrays: Any, layout: dict, kind: str) -> None:
             )
 
 
-def _upgraded(config: Any) -> Any:
+def _upgraded(config: Any) -> dict[str, Any]:
     # 0.2 named a static scale's setting `scale`; 0.3 calls it `value`. Read
     # without a warning: this is 0.2's config, read as such.
-    if (
-        isinstance(config, dict)
-        and config.get("kind") == "static"
-        and "scale" in config
-        and "value" not in config
-    ):
-        config = {**config, "value": config["scale"]}
-        del config["scale"]
-    return config
+    config = kind_validation.validated_config(config, known_kinds())
+    return deprecation.upgraded_config(config, quietly=True)
 
 
-def _kind(config: Any) -> type[LossScale]:
-    kind = kind_named(checked_config(config)["kind"])
+def _kind(config: dict[str, Any]) -> type[LossScale]:
+    kind = registered(config["kind"])
     if kind is None:
         raise ValueError(
             "`config` must be a loss-scale config saved by 0.2, whose 'kind' is one"
@@ -266,10 +261,10 @@ NEW_IN_0_3 = ("overflow_leaf",)
 def _layout(kind: type[LossScale]) -> dict[str, tuple[np.dtype, list]]:
     """0.2's leaves: name -> (dtype, [(field, size), ...]), as 0.2 packed them."""
     order = [n for n in COUNTERS if n not in NEW_IN_0_3]
-    order += [n for n in kind._leaves if n not in COUNTERS]
+    order += [n for n in kind_fields.leaf_names(kind) if n not in COUNTERS]
     layout: dict[str, tuple[np.dtype, list]] = {}
     for name in order:
-        spec = kind._specs[name]
+        spec = kind_fields.specs(kind)[name]
         dtype = np.dtype(np.int32) if spec.dtype == np.bool_ else spec.dtype
         size = int(np.prod(spec.shape, dtype=np.int64))
         layout.setdefault(f"{dtype}_fields", (dtype, []))[1].append((name, size))

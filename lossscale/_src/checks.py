@@ -9,34 +9,16 @@ from __future__ import annotations
 import numbers
 import sys
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale._src.base import LossScale
-
-_INT32_MAX = int(np.iinfo(np.int32).max)
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
 AxisName = str | tuple[str, ...]
 
 
-class StepOptions(NamedTuple):
-    """The settings of a guarded step, checked once where the step is built."""
-
-    axis_name: AxisName | None
-    clip_norm: float | None
-
-
-def step_options(axis_name: Any, clip_norm: Any) -> StepOptions:
-    """Checks `axis_name` and `clip_norm`; raises naming the bad one."""
-    return StepOptions(check_axis_name(axis_name), check_clip_norm(clip_norm))
-
-
-def check_axis_name(axis_name: Any) -> AxisName | None:
+def validate_axis_name(axis_name: Any) -> AxisName | None:
     """`axis_name` if it is None, a str or a non-empty tuple of str."""
     if axis_name is None or isinstance(axis_name, str):
         return axis_name
@@ -52,7 +34,7 @@ def check_axis_name(axis_name: Any) -> AxisName | None:
     )
 
 
-def check_axis_bound(axis_name: AxisName | None, owner: str) -> None:
+def refuse_unbound_axis(axis_name: AxisName | None, owner: str) -> None:
     """Raises `ValueError` unless every axis of `axis_name` is bound where called.
 
     Asks exactly what the collective over it would need (the axis's size), so
@@ -73,7 +55,7 @@ def check_axis_bound(axis_name: AxisName | None, owner: str) -> None:
             ) from None
 
 
-def check_clip_norm(clip_norm: Any) -> float | None:
+def validate_clip_norm(clip_norm: Any) -> float | None:
     """`clip_norm` as a float, or None; raises for anything but a positive number."""
     if clip_norm is None:
         return None
@@ -87,7 +69,7 @@ def check_clip_norm(clip_norm: Any) -> float | None:
     return float(clip_norm)
 
 
-def check_transformation(tx: Any, name: str) -> None:
+def validate_transformation(tx: Any, name: str) -> None:
     """Raises `TypeError` unless `tx` is an optax transformation."""
     if isinstance(tx, optax.MultiSteps):
         raise TypeError(
@@ -132,7 +114,7 @@ def as_predicate(name: str, value: Any, example: str) -> jax.Array:
     return jnp.asarray(value)
 
 
-def check_loss(loss: Any, name: str = "loss") -> jax.Array:
+def validate_loss(loss: Any, name: str = "loss") -> jax.Array:
     """`loss` as a floating-point scalar array; raises unless it is one."""
     dtype = getattr(loss, "dtype", None)
     if dtype is None:
@@ -155,7 +137,7 @@ def check_loss(loss: Any, name: str = "loss") -> jax.Array:
     return jnp.asarray(loss)
 
 
-def check_gradients(grads: Any, params: Any = None, name: str = "grads") -> None:
+def validate_gradients(grads: Any, params: Any = None, name: str = "grads") -> None:
     """Raises for sparse, non-float or mismatched gradient trees, naming the leaf."""
     refuse_sparse(grads, name)
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
@@ -211,17 +193,7 @@ def refuse_sparse(tree: Any, name: str) -> None:
             )
 
 
-def check_same_structure(grads: Any, params: Any, name: str) -> None:
-    """Raises `ValueError` unless the `name` parts of gradients and params match."""
-    if jax.tree.structure(grads) != jax.tree.structure(params):
-        raise ValueError(
-            f"The gradients' and `params`' fp8 `{name}` collections must have the"
-            f" same tree structure, got {jax.tree.structure(grads)} and"
-            f" {jax.tree.structure(params)}."
-        )
-
-
-def check_same_types(new_state: Any, old_state: Any) -> None:
+def refuse_changed_types(new_state: Any, old_state: Any) -> None:
     """Raises a clear error if an update changed its state's tree or leaf types."""
     new_paths, new_def = jax.tree_util.tree_flatten_with_path(new_state)
     old_leaves, old_def = jax.tree.flatten(old_state)
@@ -241,9 +213,6 @@ def check_same_types(new_state: Any, old_state: Any) -> None:
             )
 
 
-# -- settings of loss-scale kinds --------------------------------------------------
-
-
 def is_number(value: Any) -> bool:
     """Whether `value` is a real number: a Python, numpy or 0-d array scalar."""
     if isinstance(value, bool | np.bool_):
@@ -258,69 +227,9 @@ def is_number(value: Any) -> bool:
     )
 
 
-def positive_float32(name: str, value: Any, owner: str) -> float:
-    """`value` as the float32 value a rule computes with; > 0 and finite there."""
-    number = _concrete_float(name, value, owner)
-    rounded = float(np.float32(number)) if abs(number) <= _FLOAT32_MAX else np.inf
-    if not (np.isfinite(number) and np.isfinite(rounded) and rounded > 0):
-        raise ValueError(
-            f"`{owner}`: `{name}` must be positive and finite in float32 (within"
-            f" (0, {_FLOAT32_MAX:.4g}]), got {_short(value)}."
-        )
-    return rounded
-
-
-def positive_int32(name: str, value: Any, owner: str) -> int:
-    """`value` as a Python int in [1, 2**31 - 1]."""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{owner}`: `{name}` must be an int, got {value!r}"
-            f" ({type(value).__name__})."
-        )
-    if not 1 <= int(value) <= _INT32_MAX:
-        raise ValueError(
-            f"`{owner}`: `{name}` must be an int in [1, {_INT32_MAX}], got {value!r}."
-        )
-    return int(value)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} chars)"
-
-
-def _concrete_float(name: str, value: Any, owner: str) -> float:
-    if not is_number(value):
-        raise TypeError(
-            f"`{owner}`: `{name}` must be a real number, got {value!r}"
-            f" ({type(value).__name__})."
-        )
-    try:
-        return float(value)
-    except OverflowError:  # an int beyond any float: out of range, like inf
-        return float("inf")
-    except jax.errors.ConcretizationTypeError:
-        raise TypeError(
-            f"`{owner}`: `{name}` must be a concrete number, got a traced value."
-            " Settings are static: pass a Python number. (With"
-            " `optax.inject_hyperparams`, list loss-scale settings in `static_args`.)"
-        ) from None
-
-
 def _is_none(x: Any) -> bool:
     return x is None
 
 
 def _where(path: Any) -> str:
     return jax.tree_util.keystr(path) or "<root>"
-
-
-def check_state(value: Any, name: str) -> None:
-    """Raises `TypeError` unless `value` is a loss-scale state (not a spec)."""
-    if not isinstance(value, LossScale):
-        raise TypeError(
-            f"`{name}` must be a loss-scale state, got {value!r}: a spec (a number,"
-            " 'dynamic' or None) is only read where a state is created. To change"
-            " the loss scale of a run, replace it with a state, e.g."
-            " `.replace(loss_scale=lossscale.DynamicLossScale())`."
-        )

@@ -1,9 +1,12 @@
-"""lossscale 0.2's names: working aliases that warn, or errors naming 0.3's spelling.
+"""lossscale 0.2's spellings: the warning, and aliases that need no kind.
+
+The aliases of the kinds' arguments, of a state's attributes and of a config's key.
 
 Per name, `docs/migration/lossscale_0_2.md` says which: an alias where 0.2's call
 means one thing in 0.3 (a `DeprecationWarning` naming the new spelling, pointed at
 the caller's line), an error where an alias would be wrong (a 0.2 kind's class body
-cannot run in 0.3: its fields need annotations, and its `__init__` is gone).
+cannot run in 0.3: its fields need annotations, and its `__init__` is gone). The
+module's names that 0.2 had are in `compat_0_2`.
 """
 
 from __future__ import annotations
@@ -57,42 +60,20 @@ def accept_0_2_arguments(cls: type, renamed: dict[str, str], order: tuple):
     cls.__init__ = __init__
 
 
-def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
-    """0.2's `lossscale.select_tree`: `optax.tree_utils.tree_where`, with a warning."""
-    import optax
+def upgraded_config(config: dict[str, Any], *, quietly: bool) -> dict[str, Any]:
+    """`config` with 0.2's key of a static scale, `scale`, read as `value`.
 
-    from lossscale._src import checks
-
-    warn(
-        "`lossscale.select_tree(pred, a, b)` is"
-        " `optax.tree_utils.tree_where(pred, a, b)`"
-    )
-    return optax.tree_utils.tree_where(
-        checks.as_predicate("pred", pred, "lossscale.all_finite(grads)"),
-        on_true,
-        on_false,
-    )
-
-
-def module_attribute(name: str) -> Any:
-    """`lossscale.<name>` for a name 0.2 had and 0.3 does not."""
-    if name == "select_tree":
-        return select_tree
-    if name == "LossScaleLike":
-        from lossscale._src import kinds
-
-        warn(
-            "`lossscale.LossScaleLike` is gone: annotate with `lossscale.LossScale"
-            " | float | str | None`"
-        )
-        return kinds.LossScaleLike
-    if name == "setting":
-        raise AttributeError(
-            "`lossscale.setting()` is gone: declare a setting in a kind's class body"
-            " as `name: float = lossscale.field(static=True, default=...)` (an"
-            f" annotation and a default; see {MIGRATION})."
-        )
-    raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
+    `quietly` where a config is read as 0.2's (`from_checkpoint_0_2`).
+    """
+    if config["kind"] == "static" and "scale" in config and "value" not in config:
+        if not quietly:
+            warn(
+                "A static loss scale's config key 'scale' is 'value' since 0.3: save"
+                " `state.get_config()` anew"
+            )
+        config = {**config, "value": config["scale"]}
+        del config["scale"]
+    return config
 
 
 # A state's attributes by 0.2's names, and their 0.3 names.

@@ -11,23 +11,22 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import lookup
+from lossscale._src import unscaling
+from lossscale._src.update import was_applied
 
 _FLOAT16 = np.finfo(np.float16)
 # Nonzero magnitudes below the smallest subnormal (2**-24) are lost in float16.
 _SMALLEST_SUBNORMAL = float(_FLOAT16.smallest_subnormal)
 # Magnitudes at or above max + ulp/2 (65520) round to inf in float16.
-_OVERFLOW_THRESHOLD = (
-    float(_FLOAT16.max) + 2.0 ** (_FLOAT16.maxexp - 1) * float(_FLOAT16.eps) / 2
-)
+_OVERFLOW_THRESHOLD = unscaling.overflow_threshold(np.float16)
 
 
 def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
     """Returns where the gradients sit in float16's range, at a loss scale.
 
-    Pass the true (unscaled) gradients, e.g. float32 gradients of a float32 probe
-    step, or `lossscale.unscale_grads` of a float16 step. Each value `g` is looked
-    at as `|g| * scale` would be in float16. Usable under `jax.jit`: every figure
-    is an array and nothing is copied to the host.
+    Pass the true (unscaled) gradients, e.g. `lossscale.unscale_grads` of a
+    float16 step; each value `g` is looked at as `|g| * scale` would be in
+    float16. Usable under `jax.jit`: nothing is copied to the host.
 
     Args:
       grads: a pytree of floating-point gradients.
@@ -40,9 +39,8 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
 
       * `max_abs`: float32, the largest `|g|` (unscaled; inf or NaN if any is);
       * `zero_fraction`: float32, share of elements exactly zero;
-      * `underflow_fraction`: share of elements that are non-zero but have
-        `|g| * scale` below float16's smallest subnormal, 2**-24: lost to zero in
-        float16;
+      * `underflow_fraction`: share of non-zero elements with `|g| * scale`
+        below float16's smallest subnormal, 2**-24 (lost to zero);
       * `overflow_fraction`: share of elements with `|g| * scale` at or above
         65520 (rounds to inf in float16), non-finite elements included;
       * `headroom_bits`: `log2(65504 / (max_abs * scale))`, the doublings of the
@@ -157,11 +155,9 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
       * `backward_overflows`: int32, skipped steps with a finite loss;
       * `consecutive_skips`: int32, non-finite steps in a row up to the latest;
       * `last_finite`: bool, whether the latest step was applied;
-      * `stuck`: bool, the latest step overflowed backward at the lowest scale:
-        backing off cannot help; a loop can stop on it;
-      * `overflow_leaf`: int32, the index in `jax.tree.leaves(grads)` (no
-        `None` leaves) of the first non-finite gradient of the latest skipped
-        step, or -1 (set by the guarded steps, not `update`); `leaf_path` names it.
+      * `stuck`: bool, the latest step overflowed backward at `min_scale`;
+      * `overflow_leaf`: int32, the index in `jax.tree.leaves(grads)` of the first
+        non-finite gradient of the latest skipped step, or -1; `leaf_path` names it.
 
     Raises:
       TypeError: if given a spec (a number, "dynamic" or None) or the optimizer.
@@ -192,8 +188,7 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
         "forward_overflows": forward_overflows,
         "backward_overflows": skipped_steps - forward_overflows,
         "consecutive_skips": consecutive_skips,
-        # Derived, not stored: the latest step was applied iff no skip is pending.
-        "last_finite": consecutive_skips == jnp.zeros([], jnp.int32),
+        "last_finite": was_applied(state),
         "stuck": jnp.asarray(state.stuck),
         "overflow_leaf": jnp.asarray(state.overflow_leaf),
     }

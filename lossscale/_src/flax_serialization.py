@@ -11,34 +11,36 @@ from typing import Any
 
 from flax import serialization
 
-from lossscale._src import base
-from lossscale._src.base import LossScale
+from lossscale._src import kind
+from lossscale._src import kind_fields
+from lossscale._src.kind import LossScale
 
 
 def _to_state_dict(state: LossScale) -> dict[str, Any]:
     return {
         name: serialization.to_state_dict(getattr(state, name))
-        for name in type(state)._leaves
+        for name in kind_fields.leaf_names(type(state))
     }
 
 
 def _from_state_dict(target: LossScale, state: dict[str, Any], name: str = ".") -> Any:
     cls = type(target)
-    if not isinstance(state, dict) or set(state) != set(cls._leaves):
+    names = kind_fields.leaf_names(cls)
+    if not isinstance(state, dict) or set(state) != set(names):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(
-            f"The state dict at {name!r} must hold the fields {list(cls._leaves)} of"
+            f"The state dict at {name!r} must hold the fields {list(names)} of"
             f" a `{cls.__name__}`, got {got}. (A lossscale 0.2 state held"
             " `int32_fields`/`float32_fields`: see `lossscale.from_checkpoint_0_2`.)"
         )
     leaves = [
         serialization.from_state_dict(getattr(target, n), state[n], name=n)
-        for n in cls._leaves
+        for n in names
     ]
-    return base._unflatten(cls, cls._get_settings(target), leaves)
+    return kind_fields.unflatten(cls, kind_fields.flatten(target)[1], leaves)
 
 
-base.for_every_kind(
+kind.for_every_kind(
     lambda cls: serialization.register_serialization_state(
         cls, _to_state_dict, _from_state_dict, override=True
     )

@@ -18,13 +18,14 @@ from flax.training import train_state
 
 from lossscale._src import apply
 from lossscale._src import checks
-from lossscale._src import diagnostics
 from lossscale._src import flax_serialization  # noqa: F401 - registers the kinds
 from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
+from lossscale._src import step
 from lossscale._src import wrapper
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
+from lossscale._src.update import was_applied
 
 
 class TrainState(train_state.TrainState):
@@ -79,7 +80,7 @@ class TrainState(train_state.TrainState):
         apply_fn,
         params,
         tx: optax.GradientTransformation,
-        loss_scale: kinds.LossScaleLike = "dynamic",
+        loss_scale: kinds.StateOrSpec = "dynamic",
         axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs,
@@ -110,10 +111,10 @@ class TrainState(train_state.TrainState):
           ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
             not positive, or Flax fp8 variables meet an `optax.MultiSteps`.
         """
-        checks.check_transformation(tx, "tx")
-        options = checks.step_options(axis_name, clip_norm)
+        checks.validate_transformation(tx, "tx")
+        options = step.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
-        _check_fields(cls, kwargs, "create", ("step", "opt_state"))
+        _validate_field_names(cls, kwargs, "create", ("step", "opt_state"))
         # Flax's fp8 metadata are no optimizer's business (design.md).
         opt_state = tx.init(fp8.trainable(params))
         lookup.refuse_wrapped(opt_state, "tx", "the train state")
@@ -124,7 +125,7 @@ class TrainState(train_state.TrainState):
             params=params,
             tx=tx,
             opt_state=opt_state,
-            loss_scale=kinds.fresh_copy(template),
+            loss_scale=wrapper.fresh_copy(template),
             axis_name=options.axis_name,
             clip_norm=options.clip_norm,
             **kwargs,
@@ -153,25 +154,23 @@ class TrainState(train_state.TrainState):
             `kwargs` field's new value has another tree than its old one, or
             Flax fp8 variables meet an `optax.MultiSteps` state.
         """
-        checks.check_state(self.loss_scale, "loss_scale")
+        kinds.validate_state(self.loss_scale, "loss_scale")
         computed = ("step", "params", "opt_state", "loss_scale")
-        _check_fields(type(self), kwargs, "apply_gradients", computed)
+        _validate_field_names(type(self), kwargs, "apply_gradients", computed)
         fp8.refuse_accumulation(self.params, self.opt_state, "`TrainState`")
-        params, opt_state, loss_scale, applied = apply.apply_or_skip(
-            self.tx,
-            grads,
-            self.params,
+        options = step.StepOptions(self.axis_name, self.clip_norm)
+        result = step.guarded_step(
+            step.StepInput(self.loss_scale, grads, self.params, value, options),
+            apply.optimizer_update(self.tx, {} if value is None else {"value": value}),
             self.opt_state,
-            self.loss_scale,
-            checks.StepOptions(self.axis_name, self.clip_norm),
-            {} if value is None else {"value": value},
+            apply_updates=True,
         )
-        step = jnp.asarray(self.step)
+        applied, count = result.applied, jnp.asarray(self.step)
         return self.replace(
-            step=step + applied.astype(step.dtype),
-            params=params,
-            opt_state=opt_state,
-            loss_scale=loss_scale,
+            step=count + applied.astype(count.dtype),
+            params=result.output,
+            opt_state=result.carry,
+            loss_scale=result.loss_scale,
             **{name: self._kept(name, new, applied) for name, new in kwargs.items()},
         )
 
@@ -191,7 +190,9 @@ class TrainState(train_state.TrainState):
         return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
-def _check_fields(cls: type, kwargs: dict, method: str, computed: tuple) -> None:
+def _validate_field_names(
+    cls: type, kwargs: dict, method: str, computed: tuple
+) -> None:
     """Raises `TypeError` naming a keyword that is no field `method` takes."""
     names = [f.name for f in dataclasses.fields(cls)]
     for name in kwargs:
@@ -253,7 +254,7 @@ class Optimizer(nnx.Optimizer):
         tx: optax.GradientTransformation,
         *,
         wrt,
-        loss_scale: kinds.LossScaleLike = "dynamic",
+        loss_scale: kinds.StateOrSpec = "dynamic",
         axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs,
@@ -280,6 +281,8 @@ class Optimizer(nnx.Optimizer):
         """
         updates = super().update(model, grads, **kwargs)
         # `nnx.Optimizer.update` always counts a step; take a skipped one back.
-        skipped = ~diagnostics.metrics(self.loss_scale)["last_finite"]
+        # (It runs the step through `tx.update`, whose result has no `applied`:
+        # the loss-scale state records it.)
+        skipped = ~was_applied(self.loss_scale)
         self.step[...] -= skipped.astype(self.step.dtype)
         return updates

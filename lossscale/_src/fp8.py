@@ -53,7 +53,7 @@ def split(grads: Any, params: Any) -> Split:
             f" {jax.tree.structure(old)}."
         )
     if new is not None:
-        _check_new_values(new, old)
+        _validate_new_values(new, old)
     return Split(grads, params, new, old)
 
 
@@ -82,6 +82,22 @@ def refuse_accumulation(params: Any, opt_state: Any, owner: str) -> None:
         )
 
 
+def refuse_accumulated_outside(state: optax.MultiStepsState) -> None:
+    """Raises if an `optax.MultiSteps` state around a wrap accumulates the collection.
+
+    `MultiSteps(wrap(...))` averages the fp8 values with the gradients, and an
+    unused op's -inf makes them NaN for good.
+    """
+    if isinstance(state.acc_grads, Mapping) and OVERWRITE in state.acc_grads:
+        raise ValueError(
+            f"`optax.MultiSteps(lossscale.wrap(...))` accumulates Flax's fp8"
+            f" `{OVERWRITE}` collection as gradients, averaging the scales and amax"
+            " histories (and an unused op's -inf makes them NaN). Accumulate inside"
+            " the wrap instead: `lossscale.wrap(optax.MultiSteps(inner, k))`, which"
+            " combines them with max until the inner optimizer steps."
+        )
+
+
 def trainable(params: Any) -> Any:
     """`params` without the collection: what an optimizer sees."""
     return split_off(params, "params")[0]
@@ -96,7 +112,7 @@ def split_off(tree: Any, name: str) -> tuple[Any, Any]:
     return tree, None
 
 
-def _check_new_values(new: Any, old: Any) -> None:
+def _validate_new_values(new: Any, old: Any) -> None:
     new_paths, _ = jax.tree_util.tree_flatten_with_path(new)
     for (path, value), before in zip(new_paths, jax.tree.leaves(old), strict=True):
         where = f"{OVERWRITE}{jax.tree_util.keystr(path)}"
@@ -149,6 +165,20 @@ def differences(written: Any, old: Any) -> Any:
     return jax.tree.map(
         lambda new, old: jnp.where(new == old, -0.0, new - old), written, old
     )
+
+
+def accumulated(pending: Any, new: Any, old: Any, stepped: jax.Array) -> tuple:
+    """`(written, pending)` under `wrap(optax.MultiSteps(...))`, per micro-step.
+
+    The new values combine with `pending` by max; on the micro-step where the
+    inner optimizer steps (`stepped`) their max is written and `pending` starts
+    afresh, on the others the old values stay.
+    """
+    pending = maximum(pending, new)
+    written_ = jax.tree.map(
+        lambda new, old: jnp.where(stepped, new, old), written(pending, old), old
+    )
+    return written_, jax.tree.map(lambda p: jnp.where(stepped, -jnp.inf, p), pending)
 
 
 def unproduced_like(tree: Any) -> Any:

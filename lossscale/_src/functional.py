@@ -1,4 +1,4 @@
-"""The per-step functions: scale the loss, unscale gradients, check, select."""
+"""The per-step functions: scale the loss, unscale the gradients, check finiteness."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import jax
 
 from lossscale._src import checks
+from lossscale._src import finite
 from lossscale._src import fp8
 from lossscale._src import lookup
-from lossscale._src import numerics
-from lossscale._src import step
+from lossscale._src import unscaling
 
 
 def scale_loss(loss: Any, loss_scale: Any) -> Any:
@@ -58,11 +58,11 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
     _refuse_swapped(loss, "loss", "scale_loss(loss, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     if callable(loss) and not hasattr(loss, "dtype"):
-        _check_no_arguments(loss)
+        _refuse_arguments(loss)
         return lambda: scale_loss(loss(), state)
-    loss = checks.check_loss(loss)
-    loss = loss.astype(numerics.wide_dtype(loss.dtype))
-    if numerics.always_one(state):
+    loss = checks.validate_loss(loss)
+    loss = loss.astype(unscaling.wide_dtype(loss.dtype))
+    if unscaling.always_one(state):
         return loss
     return loss * state.scale.astype(loss.dtype)
 
@@ -102,8 +102,8 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     _refuse_swapped(grads, "grads", "unscale_grads(grads, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
-    checks.check_gradients(grads)
-    return fp8.merge(numerics.unscale(grads, state), metadata)
+    checks.validate_gradients(grads)
+    return fp8.merge(unscaling.unscale(grads, state), metadata)
 
 
 def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array:
@@ -145,10 +145,10 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
       ...                axis_name="i")(x))
       [False False]
     """
-    axis_name = checks.check_axis_name(axis_name)
-    checks.check_axis_bound(axis_name, "all_finite")
+    axis_name = checks.validate_axis_name(axis_name)
+    checks.refuse_unbound_axis(axis_name, "all_finite")
     checks.refuse_sparse(tree, "tree")
-    return step.agree(numerics.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
+    return finite.agree(finite.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
 
 
 def _refuse_swapped(first: Any, name: str, call: str) -> None:
@@ -163,7 +163,7 @@ def _refuse_swapped(first: Any, name: str, call: str) -> None:
         )
 
 
-def _check_no_arguments(loss_fn: Callable[[], Any]) -> None:
+def _refuse_arguments(loss_fn: Callable[[], Any]) -> None:
     try:
         inspect.signature(loss_fn).bind()
     except TypeError:

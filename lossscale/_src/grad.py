@@ -25,12 +25,10 @@ def value_and_grad(
 
     The returned function is called as `g(loss_scale, *args, **kwargs)`: first the
     loss-scale state (or a tree holding one, as for `lossscale.scale_loss`), then
-    `fun`'s own arguments, which `argnums` counts, as in `jax.value_and_grad`.
-    The gradients are those of `scale_loss(fun(...), loss_scale)`, ready for
-    `wrap`'s `update` or `TrainState.apply_gradients`, which unscale them; the
-    loss and `aux` are returned as `fun` computed them. With `axis_name` the
-    gradients are averaged over it (as Flax's `DynamicScale` does), inside a
-    `pmap` or `shard_map` binding it: every replica takes the same skip decision.
+    `fun`'s own arguments, which `argnums` counts. The gradients are those of
+    `scale_loss(fun(...), loss_scale)`, for `wrap`'s `update` or
+    `TrainState.apply_gradients` to unscale; the loss and `aux` are `fun`'s. With
+    `axis_name` the gradients are averaged over that mapped axis.
 
     Args:
       fun: the loss function; returns a floating-point scalar, or a pair
@@ -66,8 +64,8 @@ def value_and_grad(
         raise TypeError(f"`fun` must be callable, got {type(fun).__name__}.")
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-    _check_argnums(argnums)
-    axis_name = checks.check_axis_name(axis_name)
+    _validate_argnums(argnums)
+    axis_name = checks.validate_axis_name(axis_name)
 
     def scaled_fun(state, *args, **kwargs):
         loss, aux = split_loss(fun(*args, **kwargs), has_aux, "fun", "fun(...)")
@@ -82,7 +80,7 @@ def value_and_grad(
                 " `grad_fn(loss_scale, *args, **kwargs)`: the loss-scale state, or"
                 " the optimizer state holding it, first, then `fun`'s arguments.)"
             ) from None
-        checks.check_axis_bound(axis_name, "value_and_grad")
+        checks.refuse_unbound_axis(axis_name, "value_and_grad")
         if max(_entries(argnums)) >= len(args):
             raise ValueError(
                 f"`argnums` is {argnums!r} but `fun` was given {len(args)}"
@@ -124,7 +122,7 @@ def split_loss(out: Any, has_aux: bool, name: str, call: str) -> tuple[jax.Array
             f" {_described(out)}.{hint}"
         )
     loss, aux = out if has_aux else (out, None)
-    return checks.check_loss(loss, f"{call}[0]" if has_aux else call), aux
+    return checks.validate_loss(loss, f"{call}[0]" if has_aux else call), aux
 
 
 def _described(out: Any) -> str:
@@ -145,7 +143,7 @@ def _entries(argnums: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def _check_argnums(argnums: Any) -> None:
+def _validate_argnums(argnums: Any) -> None:
     entries = _entries(argnums)
     if entries is None or not all(
         isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in entries

@@ -14,10 +14,10 @@ import math
 import numpy as np
 
 from lossscale._src import interpret
-from lossscale._src.base import LossScale
 from lossscale._src.findings import Finding
 from lossscale._src.findings import literal
 from lossscale._src.findings import power
+from lossscale._src.kind import LossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.probe import Evaluation
 from lossscale._src.probe import Probe

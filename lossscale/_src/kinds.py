@@ -1,7 +1,8 @@
-"""The built-in loss-scale kinds, defined through the public `LossScale` API.
+"""The built-in kinds, defined through the public `LossScale` API, and specs.
 
-Also `from_spec`: where a state is created (`wrap`, `TrainState.create`,
-`flax.Optimizer`), a spec (a number, "dynamic" or None) may stand for one.
+A spec (a number, "dynamic" or None) stands for a state where one is created
+(`wrap`, `TrainState.create`, `flax.Optimizer`): `from_spec`. Where a state is
+carried from step to step, a spec is refused: `validate_state`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import deprecation
-from lossscale._src.base import LossScale
-from lossscale._src.fields import field
+from lossscale._src import kind_validation
+from lossscale._src.kind import LossScale
+from lossscale._src.kind_fields import field
 
 
 class NoOpLossScale(LossScale, kind="none"):
@@ -69,7 +71,7 @@ class StaticLossScale(LossScale, kind="static"):
     value: float = field(static=True, kw_only=False)
 
     def __post_init__(self):
-        value = checks.positive_float32("value", self.value, "StaticLossScale")
+        value = kind_validation.positive_float32("value", self.value, "StaticLossScale")
         object.__setattr__(self, "value", value)
 
     @property
@@ -101,8 +103,7 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     * non-finite loss (a forward overflow): skipped and counted; the rule's
       fields stay as they are.
 
-    Float settings are kept as the float32 values the rule uses (0.7 reads back
-    as 0.699999988).
+    Float settings are kept as the float32 values the rule uses.
 
     Args:
       scale: the first scale; by default 2**15 moved into `[min_scale, max_scale]`.
@@ -144,11 +145,13 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     def __post_init__(self):
         owner = "DynamicLossScale"
         settings = {
-            name: checks.positive_float32(name, getattr(self, name), owner)
+            name: kind_validation.positive_float32(name, getattr(self, name), owner)
             for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale")
         }
         for name in ("growth_interval", "hysteresis"):
-            settings[name] = checks.positive_int32(name, getattr(self, name), owner)
+            settings[name] = kind_validation.positive_int32(
+                name, getattr(self, name), owner
+            )
         if settings["growth_factor"] <= 1.0:
             raise ValueError(
                 f"`{owner}`: `growth_factor` must be > 1 (in float32), got"
@@ -178,9 +181,9 @@ class DynamicLossScale(LossScale, kind="dynamic"):
                     f" {values.dtype}."
                 )
             for value in {float(v) for v in values.ravel()}:
-                _checked_scale(value, low, high, owner)
+                _validated_scale(value, low, high, owner)
         elif not isinstance(scale, jax.Array | jax.ShapeDtypeStruct):
-            scale = _checked_scale(scale, low, high, owner)
+            scale = _validated_scale(scale, low, high, owner)
         # A traced scale cannot be read here: `update` reports what it becomes.
         for name, value in {**settings, "scale": scale}.items():
             object.__setattr__(self, name, value)
@@ -226,9 +229,9 @@ def _readable_array(value: Any) -> bool:
     )
 
 
-def _checked_scale(value: Any, low: float, high: float, owner: str) -> float:
+def _validated_scale(value: Any, low: float, high: float, owner: str) -> float:
     """A first scale as the float32 the rule uses; refused as `positive_float32`."""
-    scale = checks.positive_float32("scale", value, owner)
+    scale = kind_validation.positive_float32("scale", value, owner)
     if not low <= scale <= high:
         raise ValueError(
             f"`{owner}`: `scale` ({scale!r}) must be within [min_scale,"
@@ -237,8 +240,8 @@ def _checked_scale(value: Any, low: float, high: float, owner: str) -> float:
     return scale
 
 
-LossScaleLike = LossScale | float | int | str | None
-"""Where a state is created: a state, a number (static), "dynamic" or None (no-op)."""
+StateOrSpec = LossScale | float | int | str | None
+"""Where a state is created: a state, or a spec: a number, "dynamic" or None."""
 
 
 def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
@@ -272,6 +275,12 @@ def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
     )
 
 
-def fresh_copy(state: LossScale) -> LossScale:
-    """`state` with new buffers: safe to donate without touching the original."""
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+def validate_state(value: Any, name: str) -> None:
+    """Raises `TypeError` unless `value` is a loss-scale state (not a spec)."""
+    if not isinstance(value, LossScale):
+        raise TypeError(
+            f"`{name}` must be a loss-scale state, got {value!r}: a spec (a number,"
+            " 'dynamic' or None) is only read where a state is created. To change"
+            " the loss scale of a run, replace it with a state, e.g."
+            " `.replace(loss_scale=lossscale.DynamicLossScale())`."
+        )

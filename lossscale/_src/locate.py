@@ -117,12 +117,9 @@ def locate_overflow(
 
     Runs `jax.value_and_grad` of `scale_loss(loss_fn(params, *args, **kwargs),
     loss_scale)` one primitive at a time, on the host, differentiating the
-    floating-point array leaves of `params` (an Equinox model's functions are
-    held fixed). Call it on the failing batch, outside the train step: it syncs
-    after every op (seconds for a small model, minutes for a large one). The
-    walk goes into `jax.jit`, `jax.checkpoint` and custom derivative rules. An
-    inf or NaN already in the input (the batch, or `params`) is named as such,
-    in `nonfinite_input`, not blamed on an op.
+    floating-point array leaves of `params`. Call it on the failing batch, outside
+    the train step: it syncs after every op. An inf or NaN already in the input is
+    named as such (`nonfinite_input`), not blamed on an op.
 
     Args:
       loss_fn: the loss function, as the step calls it: it returns a

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import optax
 
 from lossscale._src import checks
-from lossscale._src.base import LossScale
-from lossscale._src.fp8 import OVERWRITE
+from lossscale._src import fp8
+from lossscale._src.kind import LossScale
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
@@ -104,25 +103,13 @@ def find_all(tree: Any) -> list[tuple[Any, LossScale]]:
     for path, leaf in leaves:
         if isinstance(leaf, optax.MultiStepsState):
             inner = find_all(leaf.inner_opt_state)
-            _refuse_fp8_accumulated_outside(leaf, inner)
+            if inner:
+                fp8.refuse_accumulated_outside(leaf)
             where = (*path, jax.tree_util.GetAttrKey("inner_opt_state"))
             found += [((*where, *inner_path), state) for inner_path, state in inner]
         elif isinstance(leaf, LossScale):
             found.append((path, leaf))
     return found
-
-
-def _refuse_fp8_accumulated_outside(state: Any, inner: list) -> None:
-    # `MultiSteps(wrap(...))` averages Flax's fp8 metadata with the gradients:
-    # an unused op's -inf makes them NaN for good.
-    if inner and isinstance(state.acc_grads, Mapping) and OVERWRITE in state.acc_grads:
-        raise ValueError(
-            f"`optax.MultiSteps(lossscale.wrap(...))` accumulates Flax's fp8"
-            f" `{OVERWRITE}` collection as gradients, averaging the scales and amax"
-            " histories (and an unused op's -inf makes them NaN). Accumulate inside"
-            " the wrap instead: `lossscale.wrap(optax.MultiSteps(inner, k))`, which"
-            " combines them with max until the inner optimizer steps."
-        )
 
 
 def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:

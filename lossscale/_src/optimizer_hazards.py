@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 from lossscale._src import interpret
-from lossscale._src.base import LossScale
 from lossscale._src.findings import Finding
+from lossscale._src.kind import LossScale
 from lossscale._src.kinds import NoOpLossScale
 from lossscale._src.program import Program
 from lossscale._src.program import flatten_with_paths

@@ -21,9 +21,9 @@ from lossscale._src import gradient_hazards
 from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src import optimizer_hazards
-from lossscale._src.base import LossScale
 from lossscale._src.findings import PreflightReport
 from lossscale._src.findings import ordered
+from lossscale._src.kind import LossScale
 from lossscale._src.probe import Probe
 from lossscale._src.program import Program
 
@@ -77,7 +77,7 @@ def preflight(
     )
     _refuse_traced(params, args, loss_scale)
     if optimizer is not None:
-        checks.check_transformation(optimizer, "optimizer")
+        checks.validate_transformation(optimizer, "optimizer")
     start = _start(loss_scale, optimizer, problem)
     probe = Probe(problem)
     first = probe(float(start.scale))

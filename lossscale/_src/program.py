@@ -58,7 +58,7 @@ class Program:
             )
         if not isinstance(has_aux, bool):
             raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
-        _check_call(loss_fn, params, args, kwargs, example)
+        _validate_call(loss_fn, params, args, kwargs, example)
         paths, leaves, treedef = flatten_with_paths(params)
         differentiated = [i for i, leaf in enumerate(leaves) if inexact_array(leaf)]
         if not differentiated:
@@ -166,7 +166,7 @@ def inexact_array(leaf: Any) -> bool:
     return is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
-def _check_call(loss_fn: Any, params: Any, args: tuple, kwargs: dict, example: str):
+def _validate_call(loss_fn: Any, params: Any, args: tuple, kwargs: dict, example: str):
     """Raises `TypeError` if `loss_fn(params, *args, **kwargs)` cannot bind."""
     try:
         signature = inspect.signature(loss_fn)

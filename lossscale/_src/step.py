@@ -1,7 +1,11 @@
 """The guarded step: check the gradients, then apply or skip the step.
 
-`wrap`, `apply_gradients`, `lossscale.flax.TrainState` and
-`lossscale.flax.Optimizer` (through `wrap`) all run `guarded_step`.
+`wrap`, `apply_gradients`, `lossscale.flax.TrainState` and `lossscale.flax.Optimizer`
+(through `wrap`) all run `guarded_step`. Its data flow: Flax's fp8 collection is
+split off at its entry and merged back at its exit; the gradients go through the
+check (`finite`) and, on an applied step, the unscaling (`unscaling`) into the
+optimizer's update; the loss-scale state moves last (`update`). Why each choice:
+`docs/design.md`, "The step".
 """
 
 from __future__ import annotations
@@ -14,175 +18,191 @@ from typing import NamedTuple
 import jax
 import jax.extend
 import jax.numpy as jnp
+import optax
 
 from lossscale._src import checks
-from lossscale._src import numerics
-from lossscale._src.base import LossScale
-from lossscale._src.update import update
+from lossscale._src import finite
+from lossscale._src import fp8
+from lossscale._src import unscaling
+from lossscale._src import update
+from lossscale._src.kind import LossScale
+
+
+class StepOptions(NamedTuple):
+    """The settings of a guarded step, validated once where the step is built."""
+
+    axis_name: checks.AxisName | None
+    clip_norm: float | None
+
+
+def step_options(axis_name: Any, clip_norm: Any) -> StepOptions:
+    """Validates `axis_name` and `clip_norm`; raises naming the bad one."""
+    return StepOptions(
+        checks.validate_axis_name(axis_name), checks.validate_clip_norm(clip_norm)
+    )
+
+
+class StepInput(NamedTuple):
+    """What a guarded step takes from its entry point."""
+
+    loss_scale: LossScale  # the state the loss was scaled with
+    grads: Any  # the gradients of the scaled loss (Flax's fp8 collection too)
+    params: Any  # the parameters (the fp8 collection too), or None
+    value: Any  # the unscaled loss, or None
+    options: StepOptions
+
+
+class OptimizerInput(NamedTuple):
+    """What the optimizer's update gets on an applied step, fp8 split off."""
+
+    grads: Any  # unscaled (and clipped), without Flax's fp8 collection
+    params: Any  # without the collection
+    carry: Any  # the optimizer state
+    fp8_new: Any  # the collection's new values, from the gradients (None: none)
+    fp8_old: Any  # its current values, from the parameters (None: none)
+
+
+class OptimizerOutput(NamedTuple):
+    """What the optimizer's update returns."""
+
+    updates: Any  # the updates of the parameters, without the fp8 collection
+    carry: Any  # the new optimizer state
+    fp8: Any  # the collection's values to write (None: none)
+
+
+Optimizer = Callable[[OptimizerInput], OptimizerOutput]
+
+
+class StepResult(NamedTuple):
+    """What a guarded step returns."""
+
+    output: Any  # the new parameters (`apply_updates`) or the updates, fp8 merged
+    carry: Any  # the new optimizer state, or the old one on a skipped step
+    loss_scale: LossScale  # the next state
+    applied: jax.Array  # bool scalar, whether the step was applied
 
 
 def guarded_step(
-    loss_scale: LossScale,
-    grads: Any,
-    params: Any,
-    value: Any,
-    options: checks.StepOptions,
-    applied_step: Callable[[Any, Any], tuple[Any, Any]],
-    carry: Any,
-) -> tuple[Any, Any, LossScale, jax.Array]:
-    """One loss-scaled step.
+    inputs: StepInput, optimizer: Optimizer, carry: Any, *, apply_updates: bool
+) -> StepResult:
+    """One loss-scaled step: check, then apply or skip, then update the state.
 
-    1. Checks, in one pass over `grads`, whether the unscaled gradients are all
-       finite and which leaf is first not to be (with `clip_norm`, their global
-       norm is the check), and whether the loss `value` is (when given); agrees
-       on all three over `axis_name`, in one collective.
-    2. Either `applied_step(unscaled_grads, carry)`, returning `(output,
-       new_carry)`, where the unscaling (and clipping) fuses into the step; or the
-       skip: negative zeros shaped like `output` (`p + (-0.0)` is `p` bit for bit)
-       and `carry` untouched. On XLA:CPU a `jax.lax.cond` chooses, so a skipped
-       step costs nothing; elsewhere a select, which XLA:GPU and the TPU compiler
-       fuse into the step's own pass (design.md, "A cond on the CPU, a select
-       elsewhere"). Flax's fp8 collection is split off by the caller
-       (`fp8.split`) before: it takes no part in the check or the unscaling.
-    3. Updates the loss-scale state: the unscaling used the scale the loss was
+    1. Splits Flax's fp8 collection off the gradients and the parameters: it is
+       not checked, unscaled, clipped or optimised, and is merged back at the end.
+    2. Checks in one pass whether the unscaled gradients are finite and which
+       leaf is first not to be (with `clip_norm`, their global norm is the
+       check), and whether the loss `value` is; agrees on all three over
+       `axis_name`.
+    3. Applied: `optimizer` on the unscaled (and clipped) gradients; with
+       `apply_updates` the step adds the updates to the parameters itself, so
+       the new parameters cross the skip, else the updates do. Skipped: the
+       parameters and `carry` as they were, bit for bit, and negative-zero
+       updates. A `lax.cond` on XLA:CPU, a select elsewhere.
+    4. Updates the loss-scale state: the unscaling used the scale the loss was
        multiplied by, the next step uses the new one.
 
     Args:
-      loss_scale: the current loss-scale state.
-      grads: the gradients of the scaled loss, checked here.
-      params: the parameters (their dtypes decide the unscaled dtypes), or None.
-      value: the unscaled loss, or None.
-      options: `axis_name` and `clip_norm`, checked where the step was built.
-      applied_step: the step on the unscaled gradients.
-      carry: what a skipped step returns as it is (the optimizer state).
+      inputs: the loss-scale state, gradients, parameters, loss and options.
+      optimizer: the optimizer's update, run on an applied step.
+      carry: what a skipped step keeps as it is (the optimizer state).
+      apply_updates: whether the step adds the updates to the parameters.
 
     Returns:
-      `(output, carry, loss_scale, applied)`.
+      A `StepResult`.
     """
-    checks.check_gradients(grads, params)
-    checks.check_axis_bound(
+    loss_scale, options = inputs.loss_scale, inputs.options
+    split = fp8.split(inputs.grads, inputs.params)
+    checks.validate_gradients(split.grads, split.params)
+    checks.refuse_unbound_axis(
         options.axis_name, "the step (`wrap`'s `update`, `apply_gradients`, ...)"
     )
-    checked = numerics.check(
-        grads, loss_scale, params, norm=options.clip_norm is not None
-    )
-    if value is None:
-        loss_finite = jnp.asarray(True)
-    else:
-        loss_finite = jnp.isfinite(checks.check_loss(value, "value"))
-    grads_finite, loss_finite, first = agree_with_index(
-        checked.finite, loss_finite, checked.first, options.axis_name
-    )
-    applied = grads_finite & loss_finite
+    loss = None if inputs.value is None else checks.validate_loss(inputs.value, "value")
 
-    def apply(grads, carry):
-        grads = numerics.unscale(grads, loss_scale, params)
+    def applied_step(grads, kept, norm):
+        # What an applied step does, traced once below. With `apply_updates` the
+        # parameters and the fp8 values are kept by a skipped step too.
+        params, carry, old = kept if apply_updates else (split.params, kept, split.old)
+        grads = unscaling.unscale(grads, loss_scale, params)
         if options.clip_norm is not None:
-            grads = numerics.clip_to_norm(grads, checked.norm, options.clip_norm)
-        return applied_step(grads, carry)
+            grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
+        new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
+        if apply_updates:
+            return None, (optax.apply_updates(params, new.updates), new.carry, new.fp8)
+        # The fp8 values as what `optax.apply_updates` adds to the old ones.
+        return (new.updates, fp8.differences(new.fp8, old)), new.carry
 
-    # Traced once, whichever backend's form is lowered (design.md, "The step").
-    step = _traced_once(apply, grads, carry)
-    select = functools.partial(_select, applied, step)
-    output, carry = numerics.per_backend(
-        grads,
-        carry,
-        cpu=functools.partial(_cond, applied, step),
+    values = unscaling.values_to_check(split.grads, loss_scale, split.params)
+    checked = finite.check(
+        values,
+        loss_scale,
+        loss=loss,
+        axis_name=options.axis_name,
+        norm=options.clip_norm is not None,
+    )
+    applied = checked.grads_finite & checked.loss_finite
+    operands = (
+        split.grads,
+        (split.params, carry, split.old) if apply_updates else carry,
+        checked.norm,
+    )
+    # Traced once, whichever backend's form is lowered (design.md, "The step"):
+    # each form evaluates the jaxpr, and optax's Python runs once.
+    closed, shapes = jax.make_jaxpr(applied_step, return_shape=True)(*operands)
+    evaluate, tree = jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(shapes)
+    traced = _Traced(
+        lambda *operands: tree.unflatten(evaluate(*jax.tree.leaves(operands))),
+        # From the abstract values, which keep the `shard_map` typing (which mapped
+        # axes the values vary over) that the skip's zeros must have too.
+        tree.unflatten([jax.ShapeDtypeStruct.like(aval) for aval in closed.out_avals]),
+    )
+    select = functools.partial(_select, applied, traced)
+    output, kept = finite.per_backend(
+        *operands,
+        cpu=functools.partial(_cond, applied, traced),
         gpu=select,
         tpu=select,
     )
-    loss_scale = update(loss_scale, grads_finite, loss_finite)
-    overflow_leaf = jnp.where(applied, loss_scale.overflow_leaf, first)
-    return output, carry, loss_scale.replace(overflow_leaf=overflow_leaf), applied
+    loss_scale = update.next_state(
+        loss_scale, checked.grads_finite, checked.loss_finite, checked.first
+    )
+    if apply_updates:  # the parameters and the fp8 values crossed the skip
+        tree, carry, collection = kept
+    else:  # the updates and the fp8 values' differences did
+        (tree, collection), carry = output, kept
+    return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
 
 
 class _Traced(NamedTuple):
     """A step traced once to a jaxpr: `run` evaluates it, `types` its outputs."""
 
-    run: Callable[[Any, Any], Any]
+    run: Callable[..., Any]
     types: Any
 
 
-def _traced_once(apply: Callable, grads: Any, carry: Any) -> _Traced:
-    """`apply` traced once: both forms of the step then evaluate its jaxpr.
-
-    `lax.platform_dependent` traces every backend's form; tracing the inner update
-    once (optax's Python) and evaluating its jaxpr in each costs less than tracing
-    it in each.
-    """
-    closed, shapes = jax.make_jaxpr(apply, return_shape=True)(grads, carry)
-    evaluate = jax.extend.core.jaxpr_as_fun(closed)
-    out_tree = jax.tree.structure(shapes)
-    # From the abstract values, which keep the `shard_map` typing (which mapped
-    # axes the values vary over) that the skip's zeros must have too.
-    types = out_tree.unflatten(
-        [jax.ShapeDtypeStruct.like(aval) for aval in closed.out_avals]
-    )
-
-    def run(grads, carry):
-        return out_tree.unflatten(evaluate(*jax.tree.leaves((grads, carry))))
-
-    return _Traced(run, types)
-
-
-def _cond(applied: jax.Array, step: _Traced, grads: Any, carry: Any) -> Any:
+def _cond(applied: jax.Array, step: _Traced, *operands: Any) -> Any:
     """The step under `jax.lax.cond`: a skipped step does none of its work."""
     return jax.lax.cond(
         applied,
         lambda operands: step.run(*operands),
         lambda operands: _skipped(step.types, operands[1]),
-        (grads, carry),
+        operands,
     )
 
 
-def _select(applied: jax.Array, step: _Traced, grads: Any, carry: Any) -> Any:
+def _select(applied: jax.Array, step: _Traced, *operands: Any) -> Any:
     """The step, then a select between its result and the skip's, leaf by leaf."""
-    result = step.run(grads, carry)
-    skipped = _skipped(step.types, carry)
+    result = step.run(*operands)
+    skipped = _skipped(step.types, operands[1])
     return jax.tree.map(lambda a, b: jnp.where(applied, a, b), result, skipped)
 
 
-def _skipped(types: Any, carry: Any) -> Any:
-    """What a skipped step returns: negative zeros for the output, `carry` as is.
+def _skipped(types: Any, kept: Any) -> Any:
+    """What a skipped step returns: negative zeros for the output, `kept` as is.
 
     The step may change dtypes (float16 gradients, float32 updates), which is
     where `optax.apply_if_finite` fails: the zeros take the applied types.
     """
-    output_types, carry_types = types
-    checks.check_same_types(carry_types, carry)
+    output_types, kept_types = types
+    checks.refuse_changed_types(kept_types, kept)
     zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
-    return zeros, carry
-
-
-def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
-    """Boolean flags, True only where they hold on every device of `axis_name`.
-
-    Several flags go in one array, so they cost one scalar collective together.
-    """
-    if axis_name is None:
-        return flags
-    return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1
-
-
-def agree_with_index(
-    grads_finite: jax.Array,
-    loss_finite: jax.Array,
-    first: jax.Array,
-    axis_name: checks.AxisName | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The flags agreed over `axis_name`, and the smallest leaf index (-1: none).
-
-    All three in one scalar collective.
-    """
-    if axis_name is None:
-        return grads_finite, loss_finite, first
-    none = jnp.iinfo(jnp.int32).max
-    values = jnp.stack(
-        [
-            grads_finite.astype(jnp.int32),
-            loss_finite.astype(jnp.int32),
-            jnp.where(first < 0, jnp.int32(none), first),
-        ]
-    )
-    grads_finite, loss_finite, first = jax.lax.pmin(values, axis_name)
-    return grads_finite == 1, loss_finite == 1, jnp.where(first == none, -1, first)
+    return zeros, kept

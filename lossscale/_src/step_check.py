@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale._src import kind_fields
 from lossscale._src import lookup
-from lossscale._src.base import LossScale
 from lossscale._src.findings import Finding
 from lossscale._src.findings import PreflightReport
 from lossscale._src.findings import power
+from lossscale._src.kind import LossScale
 from lossscale._src.kinds import StaticLossScale
 
 # An update that differs by more than 2**-8 of its norm between the two scales
@@ -135,7 +136,9 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
 
 def _settable(state: LossScale) -> float:
     """The state's scale; raises unless a state of its kind can take another."""
-    if isinstance(state, StaticLossScale) or "scale" in type(state)._leaves:
+    if isinstance(state, StaticLossScale) or "scale" in kind_fields.leaf_names(
+        type(state)
+    ):
         return float(state.scale)
     raise ValueError(
         f"`state` holds a `{type(state).__name__}`, whose scale cannot be set: the"

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._src import base
 from lossscale._src import checks
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
+from lossscale._src.kind import rule_fields
 
 
 def update(
@@ -61,16 +61,29 @@ def update(
         "grads_finite", grads_finite, "lossscale.all_finite(grads)"
     )
     loss_finite = checks.as_predicate("loss_finite", loss_finite, "jnp.isfinite(loss)")
+    return next_state(loss_scale, grads_finite, loss_finite)
+
+
+def next_state(
+    loss_scale: LossScale,
+    grads_finite: jax.Array,
+    loss_finite: jax.Array,
+    first_nonfinite: jax.Array | None = None,
+) -> LossScale:
+    """`update` of validated flags; the guarded step's also records `overflow_leaf`.
+
+    A skipped step records `first_nonfinite`, the first non-finite leaf's index
+    (`finite.Checked.first`), as `overflow_leaf`; an applied one keeps the last.
+    """
     ruled = _ruled(loss_scale, grads_finite)
     applied = grads_finite & loss_finite
     backward_overflow = loss_finite & ~grads_finite
     # A forward overflow keeps the rule's fields: the scale did not cause it.
-    rule_fields = {
+    kept_on_forward_overflow = {
         name: jnp.where(loss_finite, getattr(ruled, name), getattr(loss_scale, name))
-        for name in base.rule_fields(type(loss_scale))
+        for name in rule_fields(type(loss_scale))
     }
-    return loss_scale.replace(
-        **rule_fields,
+    counters = dict(
         skipped_steps=jnp.where(
             applied,
             loss_scale.skipped_steps,
@@ -86,9 +99,23 @@ def update(
             loss_scale.forward_overflows,
             optax.safe_increment(loss_scale.forward_overflows),
         ),
-        # `~(scale > lowest)`, not `scale <= lowest`: a NaN scale is stuck too.
+        # `~(scale > min_scale)`, not `scale <= min_scale`: a NaN scale is stuck too.
         stuck=backward_overflow & ~(loss_scale.scale > loss_scale.min_scale),
     )
+    if first_nonfinite is not None:
+        counters["overflow_leaf"] = jnp.where(
+            applied, loss_scale.overflow_leaf, first_nonfinite
+        )
+    return loss_scale.replace(**kept_on_forward_overflow, **counters)
+
+
+def was_applied(loss_scale: LossScale) -> jax.Array:
+    """Whether the step that gave `loss_scale` was applied: no skip is pending.
+
+    `update` sets `consecutive_skips` to 0 exactly on an applied step.
+    """
+    # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
+    return jnp.asarray(loss_scale.consecutive_skips) == jnp.zeros([], jnp.int32)
 
 
 def _ruled(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
@@ -105,7 +132,7 @@ def _ruled(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
             f"`{kind}.rule` returned a state with other settings; it must keep"
             " them (return `self.replace(...)`)."
         )
-    for name in base.rule_fields(type(loss_scale)):
+    for name in rule_fields(type(loss_scale)):
         old, new = getattr(loss_scale, name), getattr(ruled, name)
         if (jnp.shape(new), jnp.result_type(new)) != (jnp.shape(old), old.dtype):
             raise TypeError(

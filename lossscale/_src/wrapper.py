@@ -14,7 +14,7 @@ from lossscale._src import fp8
 from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src import step
-from lossscale._src.base import LossScale
+from lossscale._src.kind import LossScale
 
 
 class WrapState(NamedTuple):
@@ -46,7 +46,7 @@ class WrapState(NamedTuple):
 
 def wrap(
     inner: optax.GradientTransformation,
-    loss_scale: kinds.LossScaleLike = "dynamic",
+    loss_scale: kinds.StateOrSpec = "dynamic",
     *,
     axis_name: checks.AxisName | None = None,
     clip_norm: float | None = None,
@@ -94,10 +94,10 @@ def wrap(
     accumulates = isinstance(inner, optax.MultiSteps)
     if accumulates:
         inner = inner.gradient_transformation()
-    checks.check_transformation(inner, "inner")
+    checks.validate_transformation(inner, "inner")
     inner = optax.with_extra_args_support(inner)
     template = kinds.from_spec(loss_scale)
-    options = checks.step_options(axis_name, clip_norm)
+    options = step.step_options(axis_name, clip_norm)
 
     def init_fn(params):
         trainable, fp8_metadata = fp8.split_off(params, "params")
@@ -109,7 +109,7 @@ def wrap(
         if accumulates and fp8_metadata is not None:
             pending = fp8.unproduced_like(fp8_metadata)
         # Fresh buffers on every call, so the state is safe to donate.
-        return WrapState(kinds.fresh_copy(template), inner_state, pending)
+        return WrapState(fresh_copy(template), inner_state, pending)
 
     def update_fn(updates, state, params=None, **extra_args):
         if not isinstance(state, WrapState):
@@ -117,47 +117,36 @@ def wrap(
                 "`state` must be the `WrapState` returned by this transformation's"
                 f" `init`, got {type(state).__name__}."
             )
-        checks.check_state(state.loss_scale, "state.loss_scale")
+        kinds.validate_state(state.loss_scale, "state.loss_scale")
 
-        split = fp8.split(updates, params)
-
-        def inner_step(grads, carry):
-            inner_state, pending = carry
-            updates, new_inner_state = inner.update(
-                grads, inner_state, split.params, **extra_args
+        def inner_update(given: step.OptimizerInput) -> step.OptimizerOutput:
+            inner_state, pending = given.carry
+            updates, inner_state = inner.update(
+                given.grads, inner_state, given.params, **extra_args
             )
-            if split.old is None:
-                return (updates, None), (new_inner_state, pending)
-            if pending is None:
-                written = fp8.written(split.new, split.old)
-            else:
-                pending = fp8.maximum(pending, split.new)
-                stepped = new_inner_state.mini_step == 0  # MultiSteps emitted
-                written = jax.tree.map(
-                    lambda new, old: jnp.where(stepped, new, old),
-                    fp8.written(pending, split.old),
-                    split.old,
+            if given.fp8_old is None or pending is None:
+                written = fp8.written(given.fp8_new, given.fp8_old)
+            else:  # accumulating: written when `optax.MultiSteps` emits
+                stepped = inner_state.mini_step == 0
+                written, pending = fp8.accumulated(
+                    pending, given.fp8_new, given.fp8_old, stepped
                 )
-                pending = jax.tree.map(
-                    lambda p: jnp.where(stepped, -jnp.inf, p), pending
-                )
-            return (updates, fp8.differences(written, split.old)), (
-                new_inner_state,
-                pending,
-            )
+            return step.OptimizerOutput(updates, (inner_state, pending), written)
 
-        (updates, differences), (inner_state, pending), loss_scale, _ = (
-            step.guarded_step(
-                state.loss_scale,
-                split.grads,
-                split.params,
-                extra_args.get("value"),
-                options,
-                inner_step,
-                (state.inner_state, state.pending_overwrite),
-            )
+        result = step.guarded_step(
+            step.StepInput(
+                state.loss_scale, updates, params, extra_args.get("value"), options
+            ),
+            inner_update,
+            (state.inner_state, state.pending_overwrite),
+            apply_updates=False,
         )
-        updates = fp8.merge(updates, differences)
-        return updates, WrapState(loss_scale, inner_state, pending)
+        inner_state, pending = result.carry
+        return result.output, WrapState(result.loss_scale, inner_state, pending)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def fresh_copy(state: LossScale) -> LossScale:
+    """`state` with new buffers: safe to donate without touching the original."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)

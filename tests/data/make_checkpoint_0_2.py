@@ -6,8 +6,9 @@ Run with lossscale 0.2 importable (e.g. a worktree of 990b70f on `PYTHONPATH`):
 
 It saves, as the 0.2 checkpoint guide does, a `wrap(adam)` run's parameters and
 optimizer state (a dynamic scale after 7 steps, 2 of them skipped) and a static
-scale's state, each with its `get_config()` as JSON, and `expected.json`: every
-field of both states as 0.2 reads them, for `tests/test_legacy.py`.
+scale's state, each with its `get_config()` as JSON, and
+`checkpoint_0_2_expected.json`: every field of both states as 0.2 reads them, for
+`tests/test_checkpoints.py`.
 """
 
 import json

@@ -1,9 +1,15 @@
-"""`field`: how a loss-scale kind declares an array leaf or a static setting."""
+"""A kind's fields: declared with `field`, laid out as leaves and settings, cast.
+
+A kind's array fields are its pytree leaves, named and in a fixed order; its
+settings are its tree structure (`docs/design.md`, "States").
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import operator
 from typing import Any
 from typing import NamedTuple
 
@@ -11,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src.deprecation import MIGRATION
+from lossscale._src import deprecation
 
 # The key of a field's spec in `dataclasses.field(metadata=...)`.
 METADATA_KEY = "lossscale"
 
 
-class Spec(NamedTuple):
+class FieldSpec(NamedTuple):
     """What `field` declared: an array's dtype and shape, or a static setting."""
 
     dtype: np.dtype | None  # None for a static setting
@@ -38,11 +44,9 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
 ) -> Any:
     """Declares a field of a loss-scale kind: an array leaf or a static setting.
 
-    `dataclasses.field` for a kind (see `lossscale.LossScale`). An array field is
-    a pytree leaf named by the field, of a fixed dtype and shape, so a jitted
-    step called on its own output compiles once. A static field (`static=True`)
-    is a setting: a Python value compiled into the step and reported by
-    `get_config`, like `flax.struct.field(pytree_node=False)`.
+    An array field is a pytree leaf of a fixed dtype and shape; a static field
+    (`static=True`) is a setting: a Python value compiled into the step and
+    reported by `get_config`, like `flax.struct.field(pytree_node=False)`.
 
     Args:
       dtype: an array field's dtype (`jnp.float32`, `jnp.int32`, `jnp.bool_`,
@@ -52,10 +56,8 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
         number, string, bool, None or a tuple of them.
       default: the value when the constructor is not given one: for an array
         field a Python number or bool (cast), or None for one `__post_init__`
-        sets; for a setting its value (a list becomes a tuple, as a list
-        given to the constructor or read from JSON does).
-      kw_only: `False` lets the constructor take it by position (the fields are
-        keyword-only by default).
+        sets; for a setting its value (a list becomes a tuple, as from JSON).
+      kw_only: `False` lets the constructor take it by position.
 
     Returns:
       A `dataclasses.field`, to assign in the class body.
@@ -84,7 +86,8 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
             " lossscale.field(dtype=jnp.float32, default=1.0)` or `floor: float ="
             " lossscale.field(static=True, default=1.0)`; got"
             f" {len(positional)} by position (0.2's `lossscale.field(jnp.float32)`"
-            f" is `lossscale.field(dtype=jnp.float32)`, annotated: {MIGRATION})."
+            " is `lossscale.field(dtype=jnp.float32)`, annotated:"
+            f" {deprecation.MIGRATION})."
         )
     if static:
         if dtype is not None or shape != ():
@@ -93,9 +96,9 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
                 f" dtype={dtype!r}, shape={shape!r}. Drop them, or drop"
                 " `static=True` for an array field."
             )
-        spec = Spec(None, ())
+        spec = FieldSpec(None, ())
     else:
-        spec = Spec(_checked_dtype(dtype), _checked_shape(shape))
+        spec = FieldSpec(_validated_dtype(dtype), _validated_shape(shape))
     if default is not dataclasses.MISSING and not spec.static:
         if not (default is None or isinstance(default, bool | int | float)):
             raise TypeError(
@@ -106,7 +109,7 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
     if default is not dataclasses.MISSING and spec.static:
         # A setting is immutable (part of the tree structure), so a list default
         # is no shared mutable state: store it as the tuple it becomes anyway.
-        default = checked_setting(default, "field(static=True)", "default")
+        default = validated_setting(default, "field(static=True)", "default")
     return dataclasses.field(
         default=default, kw_only=kw_only, metadata={METADATA_KEY: spec}
     )
@@ -122,7 +125,7 @@ field.__signature__ = inspect.signature(field).replace(
 )
 
 
-def _checked_dtype(dtype: Any) -> np.dtype:
+def _validated_dtype(dtype: Any) -> np.dtype:
     if dtype is None:
         raise TypeError(
             "`field`: an array field needs `dtype=`, e.g."
@@ -146,7 +149,7 @@ def _checked_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
-def _checked_shape(shape: Any) -> tuple[int, ...]:
+def _validated_shape(shape: Any) -> tuple[int, ...]:
     if not (
         isinstance(shape, tuple)
         and all(
@@ -159,7 +162,7 @@ def _checked_shape(shape: Any) -> tuple[int, ...]:
     return shape
 
 
-def specs(cls: type) -> dict[str, Spec]:
+def declared_specs(cls: type) -> dict[str, FieldSpec]:
     """The fields of dataclass `cls` by name, in order, with their specs."""
     return {
         f.name: f.metadata[METADATA_KEY]
@@ -168,13 +171,12 @@ def specs(cls: type) -> dict[str, Spec]:
     }
 
 
-def as_array(spec: Spec, value: Any, owner: str, name: str, *, like: Any = None) -> Any:
+def as_array(spec: FieldSpec, value: Any, owner: str, name: str, *, like=None) -> Any:
     """`value` as an array of `spec`'s dtype and shape.
 
     Construction (no `like`) casts any number and takes a leading batch shape
     (a state stacked for `pmap`). `replace` passes the current value as `like`:
-    then another non-weak dtype is refused (almost always a bug in a rule), and
-    so is any shape but the current one.
+    then another dtype that is not weak is refused, and any shape but `like`'s.
     """
     if isinstance(value, jax.ShapeDtypeStruct):
         return value
@@ -202,12 +204,12 @@ def as_array(spec: Spec, value: Any, owner: str, name: str, *, like: Any = None)
     return jnp.broadcast_to(array, target).astype(spec.dtype)
 
 
-def checked_setting(value: Any, owner: str, name: str) -> Any:
+def validated_setting(value: Any, owner: str, name: str) -> Any:
     """`value`, if it can be a static setting; JSON's lists become tuples."""
     if isinstance(value, list):
         value = tuple(value)
     if isinstance(value, tuple):
-        return tuple(checked_setting(v, owner, name) for v in value)
+        return tuple(validated_setting(v, owner, name) for v in value)
     if isinstance(value, np.ndarray | np.generic | jax.Array):
         raise TypeError(
             f"`{owner}`: setting `{name}` must be a Python value, got"
@@ -222,3 +224,69 @@ def checked_setting(value: Any, owner: str, name: str) -> Any:
             f" {type(value).__name__}."
         )
     return value
+
+
+# -- the fields laid out: leaves and settings --------------------------------------
+
+
+def lay_out(kind: type, counters: tuple[str, ...]) -> None:
+    """Reads a kind's fields once, and registers it as the pytree of its leaves.
+
+    The leaves are the array fields, the kind's own first (checkpoints and
+    `repr` open with `.scale`), then `counters`; the settings are the tree's
+    structure. Unflattening skips `__init__`: leaves may be tracers, shape
+    structs, shardings or other placeholders.
+    """
+    kind._specs = declared_specs(kind)
+    arrays = [n for n, s in kind._specs.items() if not s.static]
+    kind._leaves = tuple(n for n in arrays if n not in counters) + counters
+    kind._settings = tuple(n for n, s in kind._specs.items() if s.static)
+    kind._get_leaves = staticmethod(_getter(kind._leaves))
+    kind._get_settings = staticmethod(_getter(kind._settings))
+    jax.tree_util.register_pytree_with_keys(
+        kind, _flatten_with_keys, functools.partial(unflatten, kind), flatten
+    )
+
+
+def specs(kind: type) -> dict[str, FieldSpec]:
+    """A kind's fields by name, in declaration order, with their specs."""
+    return kind._specs
+
+
+def leaf_names(kind: type) -> tuple[str, ...]:
+    """A kind's array fields in leaf order."""
+    return kind._leaves
+
+
+def setting_names(kind: type) -> tuple[str, ...]:
+    """A kind's static settings, in declaration order."""
+    return kind._settings
+
+
+def flatten(state: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """`(leaves, settings)` of a state."""
+    kind = type(state)
+    return kind._get_leaves(state), kind._get_settings(state)
+
+
+def unflatten(kind: type, settings: tuple, leaves) -> Any:
+    """A state of `kind` from its settings and leaves, without `__init__`."""
+    state = object.__new__(kind)
+    values = state.__dict__
+    values.update(zip(kind._leaves, leaves, strict=True))
+    values.update(zip(kind._settings, settings, strict=True))
+    return state
+
+
+def _getter(names: tuple[str, ...]):
+    # `attrgetter` reads in C: flattening runs on every jitted call's dispatch.
+    if not names:
+        return lambda state: ()
+    get = operator.attrgetter(*names)
+    return (lambda state: (get(state),)) if len(names) == 1 else get
+
+
+def _flatten_with_keys(state: Any):
+    leaves, settings = flatten(state)
+    keys = map(jax.tree_util.GetAttrKey, type(state)._leaves)
+    return tuple(zip(keys, leaves, strict=True)), settings

@@ -1,10 +1,7 @@
-"""The numerics of checking and unscaling gradients, in one pass over them.
+"""The finiteness check: whether the gradients are finite, and where not, in one pass.
 
-The check is formulated per backend (`lax.platform_dependent`, chosen where the step
-is lowered): what reads the gradients once in the fewest passes differs between
-XLA:CPU, XLA:GPU and the TPU compiler. Why each formulation is what it is, with the
-compiled programs behind it, is in `docs/design.md` ("Checking finiteness",
-"Unscaling").
+It has a form per backend (`per_backend`), since XLA:CPU, XLA:GPU and the TPU compiler
+each read the gradients fastest in another way (design.md, "Checking finiteness").
 """
 
 from __future__ import annotations
@@ -19,89 +16,56 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lossscale._src.base import LossScale
-
-
-def inverse_scale(state: LossScale) -> jax.Array:
-    """`1 / scale` in float32: gradients are multiplied by it (design.md, Unscaling)."""
-    return jnp.ones([], jnp.float32) / state.scale
-
-
-def always_one(state: LossScale) -> bool:
-    """Whether the scale is 1 at every step (its static bounds are both 1).
-
-    Such a scale (`NoOpLossScale`) leaves losses and gradients untouched.
-    """
-    return state.min_scale == 1.0 and state.max_scale == 1.0
-
-
-def wide_dtype(dtype: Any) -> jnp.dtype:
-    """`dtype` widened to at least float32, explicitly (strict promotion holds)."""
-    dtype = jnp.dtype(dtype)
-    return jnp.dtype(jnp.float32) if dtype.itemsize < 4 else dtype
-
-
-def unscale(grads: Any, state: LossScale, params: Any = None) -> Any:
-    """The gradients divided by the scale; `None` leaves pass through.
-
-    Each leaf keeps its dtype, unless `params` has a wider one for it (float16
-    gradients of float32 parameters): then it takes the parameter's.
-    """
-    if always_one(state):
-        return grads
-    inverse = inverse_scale(state)
-    leaves, treedef = _flatten_keeping_none(grads)
-    dtypes = _target_dtypes(leaves, treedef, params)
-    return treedef.unflatten(
-        [
-            g if g is None else _unscaled(g, inverse).astype(dtype)
-            for g, dtype in zip(leaves, dtypes, strict=True)
-        ]
-    )
+from lossscale._src import checks
+from lossscale._src import unscaling
+from lossscale._src.kind import LossScale
 
 
 @dataclasses.dataclass(frozen=True)
 class Checked:
-    """What one pass over the gradients found.
+    """What one pass over the gradients found, agreed over `axis_name`.
 
     Attributes:
-      finite: bool scalar, whether every unscaled gradient is finite.
+      grads_finite: bool scalar, whether every unscaled gradient is finite.
+      loss_finite: bool scalar, whether the loss is (True if none was given).
       first: int32 scalar, the position in `jax.tree.leaves(grads)` of the first
-        leaf holding a non-finite value; -1 if none.
-      norm: with `norm=True`, the global norm of the unscaled gradients (NaN or
-        inf exactly when a gradient is, or when a square overflows); else None.
+        non-finite leaf; -1 if none.
+      norm: with `norm=True`, the unscaled gradients' global norm; else None.
     """
 
-    finite: jax.Array
+    grads_finite: jax.Array
+    loss_finite: jax.Array
     first: jax.Array
     norm: jax.Array | None = None
 
 
 def check(
-    grads: Any, state: LossScale, params: Any = None, *, norm: bool = False
+    values: list[Any],
+    state: LossScale,
+    *,
+    loss: jax.Array | None = None,
+    axis_name: checks.AxisName | None = None,
+    norm: bool = False,
 ) -> Checked:
-    """Whether `unscale(grads, state, params)` is finite, and where not: one pass.
+    """Whether the unscaled gradients (and `loss`) are finite, and where not.
 
-    Dividing by a scale >= 1 cannot overflow, so then the check reads `grads` as
-    they are; below 1 it reduces the unscaled values, inf where they overflow
-    their target dtype. With `norm`, the sum of squares is the check (design.md,
-    Clipping): summed in the scaled domain, its root times `1 / scale`.
+    `values` are `unscaling.values_to_check(grads, state, params)`. With `norm`,
+    the sum of squares is the check (design.md, "Clipping in the check's pass").
     """
-    if state.min_scale < 1.0:
-        leaves = _unscaled_leaves(grads, state, params)
-        total, first = _reduce(leaves, square=norm)
-        if norm:
-            return Checked(jnp.isfinite(total), first, jnp.sqrt(total))
-        return Checked(jnp.isfinite(total), first)
-    total, first = _reduce(jax.tree.leaves(grads), square=norm)
-    finite = jnp.isfinite(total)
-    if state.min_scale != state.max_scale:
+    total, first = _reduce(values, square=norm)
+    grads_finite = jnp.isfinite(total)
+    scaled = not unscaling.can_overflow(state)  # `values` are the scaled gradients
+    if scaled and state.min_scale != state.max_scale:
         # A rule that breaks its own `min_scale` (a scale of 0) would put 0 * inf
         # into the parameters: one scalar keeps that step out.
-        finite = finite & jnp.isfinite(inverse_scale(state))
+        grads_finite = grads_finite & jnp.isfinite(unscaling.inverse_scale(state))
+    root = None
     if norm:
-        return Checked(finite, first, jnp.sqrt(total) * inverse_scale(state))
-    return Checked(finite, first)
+        root = jnp.sqrt(total)
+        root = root * unscaling.inverse_scale(state) if scaled else root
+    loss_finite = jnp.asarray(True) if loss is None else jnp.isfinite(loss)
+    agreed = _agree_with_index(grads_finite, loss_finite, first, axis_name)
+    return Checked(*agreed, root)
 
 
 def all_finite_leaves(leaves: list[Any]) -> jax.Array:
@@ -110,24 +74,34 @@ def all_finite_leaves(leaves: list[Any]) -> jax.Array:
     return jnp.isfinite(total)
 
 
-def clip_to_norm(grads: Any, norm: jax.Array, max_norm: float) -> Any:
-    """`optax.clip_by_global_norm(max_norm)` of `grads`, whose global norm is `norm`."""
-    factor = jnp.where(norm < max_norm, jnp.ones([], norm.dtype), max_norm / norm)
-    return jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
+    """Boolean flags, True only where they hold on every device of `axis_name`."""
+    if axis_name is None:
+        return flags
+    return jax.lax.pmin(flags.astype(jnp.int32), axis_name) == 1
+
+
+def _agree_with_index(grads_finite, loss_finite, first, axis_name):
+    """The flags agreed over `axis_name`, and the smallest leaf index (-1: none)."""
+    if axis_name is None:
+        return grads_finite, loss_finite, first
+    none = jnp.iinfo(jnp.int32).max
+    values = jnp.stack(
+        [
+            grads_finite.astype(jnp.int32),
+            loss_finite.astype(jnp.int32),
+            jnp.where(first < 0, jnp.int32(none), first),
+        ]
+    )
+    grads_finite, loss_finite, first = jax.lax.pmin(values, axis_name)
+    return grads_finite == 1, loss_finite == 1, jnp.where(first == none, -1, first)
 
 
 # -- the reduction, per backend -------------------------------------------------------
 
 
 def _reduce(leaves: list[Any], *, square: bool) -> tuple[jax.Array, jax.Array]:
-    """`(total, first)` over the floating-point leaves of `leaves`.
-
-    `total` (float32) is non-finite exactly when a leaf is: the sum of per-leaf
-    probes that are 0 or NaN (`square=False`), or the sum of squares. `first` is the
-    position in `leaves` of the first leaf whose probe is non-finite, or -1.
-    Other leaves (None, integers, bools, objects that are not arrays) and
-    zero-size ones are skipped: nothing in them can be non-finite.
-    """
+    """`(total, first)`: non-finite where a floating-point leaf is; the first, or -1."""
     positions, arrays = [], []
     for position, leaf in enumerate(leaves):
         if leaf is None or (
@@ -156,19 +130,16 @@ def _reduce(leaves: list[Any], *, square: bool) -> tuple[jax.Array, jax.Array]:
 def per_backend(*args: Any, cpu: Callable, gpu: Callable, tpu: Callable) -> Any:
     """`cpu(*args)`, `gpu(*args)` or `tpu(*args)`, chosen where the step is lowered.
 
-    All three are traced; only the one for the backend the program is compiled for
-    is lowered (`jax.lax.platform_dependent`). Other backends take the CPU's.
+    All three are traced, one is lowered; other backends take the CPU's.
     """
     return jax.lax.platform_dependent(
         *args, cpu=cpu, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu
     )
 
 
-# XLA:CPU: leaves with fewer elements are stacked by shape and dtype, one reduction
-# per stack; larger ones are reduced alone (design.md, Checking finiteness).
+# Leaves with fewer elements are stacked by shape and dtype, larger ones reduced alone.
 GROUP_BELOW = 4096
-# XLA:GPU fuses a stack of up to this many leaves into its reduction; beyond, it
-# writes the stack out (design.md).
+# XLA:GPU fuses a stack of up to this many leaves; beyond, it writes the stack out.
 GPU_STACK = 64
 
 
@@ -189,9 +160,8 @@ def _grouped(arrays, positions, square, stack_limit=None):
         if square:
             probes.append(jnp.stack([_sum_of_squares(v) for v in values]))
         elif dtype.itemsize < 4 and not jnp.issubdtype(dtype, jnp.complexfloating):
-            # float16, bfloat16: two plain reductions, the fastest on XLA:CPU (no
-            # float32 copy, which a sum of 16-bit values makes); `t - t` is 0 or
-            # NaN, so the probe cannot overflow as `max - min` could.
+            # float16, bfloat16: two plain reductions, XLA:CPU's fastest; `t - t`
+            # is 0 or NaN, so the probe cannot overflow as `max - min` could.
             top = jnp.stack([jnp.max(v) for v in values]).astype(jnp.float32)
             low = jnp.stack([jnp.min(v) for v in values]).astype(jnp.float32)
             probes.append((top - top) + (low - low))
@@ -208,14 +178,7 @@ def _grouped(arrays, positions, square, stack_limit=None):
 
 
 def _partials(arrays, positions, square):
-    """XLA:GPU: each large leaf reduced to a short vector, then one final pass.
-
-    A large leaf's first stage reduces its rows (over its trailing axes), which
-    XLA fuses into the kernel that produces the gradient inside a train step;
-    alone, one kernel per leaf, where a full reduction takes two. Small leaves
-    are stacked by shape. The short vectors and the stacks' probes are then
-    checked in one kernel per up to `GPU_STACK` of them (design.md).
-    """
+    """XLA:GPU: large leaves' rows reduced, small leaves stacked, then a pass per 64."""
     small, parts = {}, []
     for position, leaf in zip(positions, arrays, strict=True):
         if leaf.size < GROUP_BELOW:
@@ -254,11 +217,7 @@ def _partials(arrays, positions, square):
 
 
 def _row_probes(leaf: jax.Array, square: bool) -> jax.Array:
-    """A large leaf reduced over its trailing axes: a float32 vector of row probes.
-
-    Only existing axes are reduced (a leaf sharded along any of them stays so);
-    a 1-D leaf is cut into rows of a divisor of its length.
-    """
+    """A large leaf reduced over its trailing axes: a float32 vector of row probes."""
     if leaf.ndim == 1:
         columns = max(
             (c for c in range(1024, 16385) if leaf.size % c == 0), default=leaf.size
@@ -277,11 +236,7 @@ def _row_probes(leaf: jax.Array, square: bool) -> jax.Array:
 
 
 def _each(arrays, positions, square):
-    """TPU: one reduction per leaf, the probes combined as scalars.
-
-    A TPU runs scalar ops on its scalar unit: combining them costs no vector op,
-    where stacking leaves costs a relayout each (design.md).
-    """
+    """TPU: one reduction per leaf, the probes combined as scalars (design.md)."""
     # `lax`, not `jnp`: this form is traced on every backend, a few ops per leaf.
     if square:
         probes = [_sum_of_squares(leaf) for leaf in arrays]
@@ -308,11 +263,7 @@ def _any_nonfinite(leaf: jax.Array) -> jax.Array:
 
 
 def _stack_probes(values: list[jax.Array], square: bool) -> jax.Array:
-    """One float32 probe per leaf of a stack of leaves of one shape and dtype.
-
-    Stacked (a new leading axis), not concatenated, so that leaves sharded alike
-    stay sharded: no collective moves them.
-    """
+    """One float32 probe per leaf of a stack of leaves of one shape and dtype."""
     stack = jnp.stack(values)
     axes = tuple(range(1, stack.ndim))
     if square:
@@ -334,7 +285,7 @@ def _combine(probes: jax.Array, order: list[int]) -> tuple[jax.Array, jax.Array]
 
 def _sum_of_squares(values: jax.Array, axes: Any = None) -> jax.Array:
     """The sum of `|x|**2` over `axes` (all by default), in float32."""
-    values = values.astype(wide_dtype(values.dtype))
+    values = values.astype(unscaling.wide_dtype(values.dtype))
     if jnp.issubdtype(values.dtype, jnp.complexfloating):
         squares = jnp.square(values.real) + jnp.square(values.imag)
     else:
@@ -347,67 +298,3 @@ def _as_float32(zeros_or_nan: jax.Array) -> jax.Array:
     if jnp.iscomplexobj(zeros_or_nan):
         zeros_or_nan = jnp.abs(zeros_or_nan)
     return zeros_or_nan.astype(jnp.float32)
-
-
-# -- unscaling -------------------------------------------------------------------------
-
-
-def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:
-    """The one definition of an unscaled value, at least float32 wide.
-
-    The check and the applied step both use it, so they agree exactly.
-    """
-    wide = wide_dtype(grad.dtype)
-    return grad.astype(wide) * inverse.astype(wide)
-
-
-def _unscaled_leaves(grads: Any, state: LossScale, params: Any) -> list[Any]:
-    """The unscaled leaves (None dropped), wide, inf where they overflow."""
-    leaves, treedef = _flatten_keeping_none(grads)
-    dtypes = _target_dtypes(leaves, treedef, params)
-    inverse = inverse_scale(state)
-    return [
-        _inf_where_overflowing(_unscaled(g, inverse), dtype)
-        if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
-        else g
-        for g, dtype in zip(leaves, dtypes, strict=True)
-        if g is not None
-    ]
-
-
-def _inf_where_overflowing(value: jax.Array, dtype: Any) -> jax.Array:
-    """`value`, with inf where rounding it to `dtype` would overflow."""
-    if value.dtype == dtype:
-        return value
-    # A compare with the rounding threshold, not a round trip through `dtype`:
-    # XLA:GPU removes round trips (excess precision), which hid the overflow.
-    # Values at or above max + ulp/2 round to inf.
-    finfo = jnp.finfo(dtype)
-    top_ulp = 2.0 ** (finfo.maxexp - 1) * float(finfo.eps)
-    threshold = jnp.asarray(float(finfo.max) + top_ulp / 2, value.dtype)
-    return jnp.where(
-        jnp.abs(value) < threshold, value, jnp.asarray(jnp.inf, value.dtype)
-    )
-
-
-def _target_dtypes(leaves: list[Any], treedef: Any, params: Any) -> list[Any]:
-    """The dtype each gradient leaf is unscaled into (design.md, Unscaling)."""
-    dtypes = [None if g is None else jnp.result_type(g) for g in leaves]
-    if params is None:
-        return dtypes
-    for i, (dtype, param) in enumerate(
-        zip(dtypes, treedef.flatten_up_to(params), strict=True)
-    ):
-        param_dtype = getattr(param, "dtype", None)
-        if (
-            dtype is not None
-            and param_dtype is not None
-            and jnp.issubdtype(param_dtype, jnp.floating)
-            and jnp.dtype(param_dtype).itemsize > dtype.itemsize
-        ):
-            dtypes[i] = jnp.dtype(param_dtype)
-    return dtypes
-
-
-def _flatten_keeping_none(tree: Any) -> tuple[list[Any], Any]:
-    return jax.tree.flatten(tree, is_leaf=lambda x: x is None)

@@ -1,10 +1,8 @@
-"""`LossScale`: the base class of every loss-scale kind, built-in or user-defined."""
+"""`LossScale`, the base class of every kind, and the registry of kind names."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 from typing import Any
 
 import jax
@@ -12,41 +10,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import deprecation
-from lossscale._src import fields
-from lossscale._src import kind_checks
-from lossscale._src.fields import field
-from lossscale._src.registry import build
-from lossscale._src.registry import register_kind
+from lossscale._src import kind_fields
+from lossscale._src import kind_validation
+from lossscale._src.kind_fields import field
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class LossScale:
     """Base class of loss-scale states; subclass it to define a kind of your own.
 
-    A state is a frozen, keyword-only dataclass and a pytree: each array field
-    (`lossscale.field(dtype=...)`) is a leaf named by its field, and each
-    setting (`lossscale.field(static=True)`) is part of the tree structure,
-    kept by `jax.jit`, `jax.tree.map`, pickling and checkpoints. A kind
-    subclasses `LossScale` (which makes it a dataclass) and defines
+    A state is a frozen, keyword-only dataclass and a pytree whose leaves are its
+    array fields (`lossscale.field`). A kind subclasses `LossScale` and defines
 
     * its fields, each with a default if `from_config` is to build it;
     * `scale`: the current loss scale, a float32 scalar (a field or a property);
     * `rule(grads_finite)`: the rule, returning `self.replace(...)`, without
       Python branches on arrays (it runs under `jax.jit`);
-    * optionally `min_scale` and `max_scale`, static Python floats
-      (defaults 0.0 and inf, "unknown"): `stuck` and the finiteness check use
-      them, and where both are 1 the scale is a no-op;
-    * optionally `__post_init__` to check or derive settings (set them with
+    * optionally `min_scale` and `max_scale`, static Python floats (defaults
+      0.0 and inf, "unknown"; where both are 1 the scale is a no-op);
+    * optionally `__post_init__` to validate or derive settings (set them with
       `object.__setattr__`, as in any frozen dataclass).
 
-    Every state has the counters the library keeps through `lossscale.update`:
-    `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32),
-    `stuck` (bool) and `overflow_leaf` (int32, written by the guarded steps);
-    see the design note (`docs/design.md`, "States").
+    Every state also has the counters that `lossscale.update` keeps:
+    `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32), `stuck`
+    (bool) and `overflow_leaf` (int32, written by the guarded steps).
 
     Examples:
-      TF contrib's test manager: the scale goes up by one after a finite step and
-      down by one after a non-finite one.
+      The scale goes up by one after a finite step, down by one after another:
 
       >>> import jax, jax.numpy as jnp
       >>> import lossscale
@@ -64,7 +54,7 @@ class LossScale:
       .scale .skipped_steps .consecutive_skips .forward_overflows .stuck .overflow_leaf
     """
 
-    kind = "abstract"
+    kind = "abstract"  # the kind name, `get_config()["kind"]`
 
     skipped_steps: jax.Array = field(dtype=jnp.int32, default=0)
     consecutive_skips: jax.Array = field(dtype=jnp.int32, default=0)
@@ -81,39 +71,21 @@ class LossScale:
                 " values in `__post_init__`, or add a classmethod constructor (0.2's"
                 f" `super().__init__(**values)` is gone: {deprecation.MIGRATION})."
             )
-        kind_checks.check_body(cls)
+        kind_validation.validate_body(cls)
         dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
-        kind_checks.check_class(cls, LossScale)
-        cls._specs = fields.specs(cls)
-        # The rule's leaves first: checkpoints and `repr` open with `.scale`.
-        arrays = [n for n, s in cls._specs.items() if not s.static]
-        cls._leaves = tuple(n for n in arrays if n not in COUNTERS) + COUNTERS
-        cls._settings = tuple(n for n, s in cls._specs.items() if s.static)
-        cls._get_leaves = staticmethod(_getter(cls._leaves))
-        cls._get_settings = staticmethod(_getter(cls._settings))
-        cls.__init__ = kind_checks.finishing(cls.__init__)
-        cls.kind = register_kind(cls, kind)
-        _KINDS.append(cls)
-        for hook in _NEW_KIND_HOOKS:
+        kind_validation.validate_class(cls, COUNTERS, LossScale.rule)
+        kind_fields.lay_out(cls, COUNTERS)
+        cls.__init__ = kind_validation.validating(cls.__init__, kind_fields.specs(cls))
+        cls.kind = _register(cls, kind)
+        for hook in _HOOKS:
             hook(cls)
-        # Unflattening skips `__init__`: leaves may be tracers, shape structs,
-        # shardings or other placeholders.
-        jax.tree_util.register_pytree_with_keys(
-            cls, _flatten_with_keys, functools.partial(_unflatten, cls), _flatten
-        )
-
-    # -- what a kind defines -----------------------------------------------------
 
     def rule(self, grads_finite: jax.Array) -> LossScale:
         """The kind's rule: this state after a step whose loss was finite.
 
-        Called by `lossscale.update`, which also counts the skipped steps; call
-        that, not this. It runs under `jax.jit` and must return a state of the
-        same kind, settings, dtypes and shapes, e.g. `self.replace(...)`.
-
-        Args:
-          grads_finite: bool scalar array, whether every gradient was finite (the
-            step was applied) or not (it was skipped).
+        Called by `lossscale.update` (call that, not this) with `grads_finite`, a
+        bool scalar array, under `jax.jit`; returns a state of the same kind,
+        settings, dtypes and shapes, e.g. `self.replace(...)`.
         """
         raise NotImplementedError(f"`{type(self).__name__}` must define `rule`.")
 
@@ -122,17 +94,12 @@ class LossScale:
     min_scale = 0.0
     max_scale = float("inf")
 
-    # -- building and reading states ---------------------------------------------
-
     def replace(self, **values: Any) -> LossScale:
         """Returns this state with new values for some array fields.
 
         Args:
           **values: new values by field name, each of the field's dtype (a weakly
             typed Python number is cast) and of the current value's shape.
-
-        Returns:
-          A state of the same kind and settings.
 
         Raises:
           TypeError: if a name is not an array field, or a value has another dtype.
@@ -145,21 +112,22 @@ class LossScale:
           >>> print(state.scale, state.growth_interval)
           8.0 2000
         """
-        cls = type(self)
-        owner = f"{cls.__name__}.replace"
-        unknown = set(values) - set(cls._leaves)
+        kind = type(self)
+        owner = f"{kind.__name__}.replace"
+        leaves = kind_fields.leaf_names(kind)
+        unknown = set(values) - set(leaves)
         if unknown:
             raise TypeError(
-                f"`{owner}` takes array fields {sorted(cls._leaves)}, got"
+                f"`{owner}` takes array fields {sorted(leaves)}, got"
                 f" {sorted(unknown)}. Settings are static: build a new state to"
                 " change them."
             )
-        new = object.__new__(cls)
+        new = object.__new__(kind)
         new.__dict__.update(self.__dict__)
         for name, value in values.items():
             old = self.__dict__[name]
-            new.__dict__[name] = fields.as_array(
-                cls._specs[name],
+            new.__dict__[name] = kind_fields.as_array(
+                kind_fields.specs(kind)[name],
                 value,
                 owner,
                 name,
@@ -168,7 +136,7 @@ class LossScale:
         return new
 
     def get_config(self) -> dict[str, Any]:
-        """Returns the kind and settings as a JSON-serialisable dict (TF's name).
+        """Returns the kind name and settings as a JSON-serialisable dict.
 
         The arrays are not part of it: save them with the checkpoint, and this
         dict beside it (see `lossscale.check_config`).
@@ -178,7 +146,8 @@ class LossScale:
           >>> print(lossscale.StaticLossScale(1024).get_config())
           {'kind': 'static', 'value': 1024.0}
         """
-        return {"kind": self.kind, **{n: getattr(self, n) for n in self._settings}}
+        names = kind_fields.setting_names(type(self))
+        return {"kind": self.kind, **{n: getattr(self, n) for n in names}}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScale:
@@ -198,14 +167,21 @@ class LossScale:
           >>> print(type(state).__name__, state.scale)
           StaticLossScale 8.0
         """
-        return build(cls, config)
-
-    # -- equality and repr -----------------------------------------------------------
+        config = kind_validation.validated_config(config, known_kinds())
+        config = deprecation.upgraded_config(config, quietly=False)
+        name = config["kind"]
+        target = kind_validation.validated_kind(
+            name, _KINDS.get(name), name in _KINDS, cls, known_kinds()
+        )
+        settings = {key: value for key, value in config.items() if key != "kind"}
+        names = kind_fields.setting_names(target)
+        kind_validation.validate_settings(settings, names, name)
+        return target(**settings)
 
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, LossScale):
             return NotImplemented
-        a, b = _flatten(self), _flatten(other)
+        a, b = kind_fields.flatten(self), kind_fields.flatten(other)
         return (
             type(self) is type(other)
             and a[1] == b[1]
@@ -218,10 +194,11 @@ class LossScale:
         return deprecation.state_attribute(self, name)  # 0.2's `lowest_scale`, ...
 
     def __repr__(self) -> str:
-        cls = type(self)
-        parts = [f"{n}={_format_leaf(getattr(self, n))}" for n in cls._leaves]
-        parts += [f"{n}={getattr(self, n)!r}" for n in cls._settings]
-        return f"{cls.__name__}({', '.join(parts)})"
+        kind = type(self)
+        leaves, settings = kind_fields.leaf_names(kind), kind_fields.setting_names(kind)
+        parts = [f"{n}={_format_leaf(getattr(self, n))}" for n in leaves]
+        parts += [f"{n}={getattr(self, n)!r}" for n in settings]
+        return f"{kind.__name__}({', '.join(parts)})"
 
 
 def _abstract_init(self, **values):
@@ -233,57 +210,14 @@ def _abstract_init(self, **values):
 
 
 LossScale.__init__ = _abstract_init
-LossScale._specs = fields.specs(LossScale)
-LossScale._leaves = tuple(LossScale._specs)
-LossScale._settings = ()
-
-COUNTERS = LossScale._leaves
-
-# Every kind defined so far, and what to call for each new one (`lossscale.flax`
-# registers them with `flax.serialization` without importing Flax here).
-_KINDS: list[type[LossScale]] = []
-_NEW_KIND_HOOKS: list[Any] = []
+kind_fields.lay_out(LossScale, ())
+# The counters every state has, which `lossscale.update` keeps.
+COUNTERS = kind_fields.leaf_names(LossScale)
 
 
-def for_every_kind(hook) -> None:
-    """Calls `hook(cls)` for every kind defined so far and every later one."""
-    _NEW_KIND_HOOKS.append(hook)
-    for cls in _KINDS:
-        hook(cls)
-
-
-def rule_fields(cls: type[LossScale]) -> tuple[str, ...]:
+def rule_fields(kind: type[LossScale]) -> tuple[str, ...]:
     """The array fields a kind declares (its rule's), without the counters."""
-    return tuple(n for n in cls._leaves if n not in COUNTERS)
-
-
-def _getter(names: tuple[str, ...]):
-    # `attrgetter` reads in C: flattening runs on every jitted call's dispatch.
-    if not names:
-        return lambda state: ()
-    get = operator.attrgetter(*names)
-    return (lambda state: (get(state),)) if len(names) == 1 else get
-
-
-def _flatten(state: LossScale):
-    cls = type(state)
-    return cls._get_leaves(state), cls._get_settings(state)
-
-
-def _flatten_with_keys(state: LossScale):
-    cls = type(state)
-    keys = map(jax.tree_util.GetAttrKey, cls._leaves)
-    return tuple(zip(keys, cls._get_leaves(state), strict=True)), cls._get_settings(
-        state
-    )
-
-
-def _unflatten(cls: type, settings: tuple, leaves) -> LossScale:
-    state = object.__new__(cls)
-    values = state.__dict__
-    values.update(zip(cls._leaves, leaves, strict=True))
-    values.update(zip(cls._settings, settings, strict=True))
-    return state
+    return tuple(n for n in kind_fields.leaf_names(kind) if n not in COUNTERS)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -302,3 +236,56 @@ def _format_leaf(value: Any) -> str:
         return repr(np.asarray(value).tolist())
     except Exception:  # a tracer, a shape struct or another placeholder
         return repr(value)
+
+
+# -- the registry: kind name -> kind -------------------------------------------------
+
+# A kind defined in a function without `kind=` maps to None: every call makes
+# another class of the same name, so the name does not say which to build.
+_KINDS: dict[str, type[LossScale] | None] = {}
+# What to call for every kind (`lossscale.flax` registers each with
+# `flax.serialization`, without this module importing Flax).
+_HOOKS: list[Any] = []
+
+
+def for_every_kind(hook) -> None:
+    """Calls `hook(kind)` for every kind defined so far and every later one."""
+    _HOOKS.append(hook)
+    pending = LossScale.__subclasses__()
+    while pending:
+        kind = pending.pop(0)
+        if "kind" in vars(kind):  # registered: defined to the end
+            hook(kind)
+        pending += kind.__subclasses__()
+
+
+def _register(cls: type[LossScale], kind: str | None) -> str:
+    name = kind if kind is not None else f"{cls.__module__}.{cls.__qualname__}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
+    if kind is None and "<locals>" in name:
+        _KINDS[name] = None
+        return name
+    known = _KINDS.get(name)
+    if known is not None and (known.__module__, known.__qualname__) != (
+        cls.__module__,
+        cls.__qualname__,
+    ):
+        raise ValueError(
+            f"The kind name {name!r} is taken by `{known.__module__}."
+            f"{known.__qualname__}`; pass another one: `class {cls.__name__}("
+            "lossscale.LossScale, kind=...)`."
+        )
+    # The same class defined again (a re-run notebook cell) replaces the old one.
+    _KINDS[name] = cls
+    return name
+
+
+def known_kinds() -> list[str]:
+    """The kind names `from_config` can build."""
+    return sorted(name for name, kind in _KINDS.items() if kind is not None)
+
+
+def registered(name: Any) -> type[LossScale] | None:
+    """The kind registered under the kind name `name`, or None."""
+    return _KINDS.get(name) if isinstance(name, str) else None
