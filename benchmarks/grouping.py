@@ -3,7 +3,7 @@
     python benchmarks/grouping.py [--leaves 100,300,1000] [--dtypes bfloat16,float32]
 
 `lossscale.all_finite` over N leaves of 64x16 (fewer elements than
-`numerics.GROUP_BELOW`), jitted, as shipped (small leaves stacked by shape and
+`finite.GROUP_BELOW`), jitted, as shipped (small leaves stacked by shape and
 dtype, one `sum(x - x)` per stack) and with grouping turned off
 (`GROUP_BELOW = 0`: each leaf reduced on its own, as lossscale 0.2 did, with the
 per-leaf results stacked into one `all`), and as shipped but with 16-bit stacks
@@ -29,12 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import lossscale
-from lossscale._src import numerics
+from lossscale._src import finite
 
 
 def max_min_stacks(leaves):
     """As shipped, but 16-bit stacks are reduced by max and min (two reads)."""
-    large, stacks = numerics._grouped([jnp.asarray(leaf) for leaf in leaves])
+    large, small = [], {}
+    for leaf in map(jnp.asarray, leaves):
+        if leaf.size < finite.GROUP_BELOW:
+            small.setdefault((leaf.shape, leaf.dtype), []).append(leaf)
+        else:
+            large.append(leaf)
+    stacks = [jnp.stack(group) for group in small.values()]
     checks = [jnp.isfinite(jnp.sum(v - v)) for v in large if v.dtype.itemsize >= 4]
     checks += [
         jnp.isfinite(jnp.max(v)) & jnp.isfinite(jnp.min(v))
@@ -76,14 +82,14 @@ def main(argv=None):
     parser.add_argument("--per-leaf-up-to", type=int, default=300)
     parser.add_argument("--out", default="benchmarks/results/grouping")
     args = parser.parse_args(argv)
-    shipped = numerics.GROUP_BELOW
+    shipped = finite.GROUP_BELOW
 
     def per_leaf(tree):
-        numerics.GROUP_BELOW = 0
+        finite.GROUP_BELOW = 0
         try:
             return lossscale.all_finite(tree)
         finally:
-            numerics.GROUP_BELOW = shipped
+            finite.GROUP_BELOW = shipped
 
     variants = {
         "grouped, sum(x - x) (shipped)": lossscale.all_finite,

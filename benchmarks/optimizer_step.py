@@ -116,15 +116,17 @@ def study_select_instead_of_cond(params):
     # Not shipped on the CPU: the one-call step with the skip as a select over
     # params and optimizer state instead of a cond, on every backend (the form
     # lowered for GPUs and TPUs), to see what XLA:CPU makes of it.
-    from lossscale._src import numerics
+    from lossscale._src import finite
+    from lossscale._src import unscaling
 
     tx = inner()
 
     def step(params, state, grads):
         opt_state, loss_scale = state
-        grads_finite = numerics.check(grads, loss_scale, params).finite
+        values = unscaling.values_to_check(grads, loss_scale, params)
+        grads_finite = finite.check(values, loss_scale).grads_finite
         updates, new_opt_state = tx.update(
-            numerics.unscale(grads, loss_scale, params), opt_state, params
+            unscaling.unscale(grads, loss_scale, params), opt_state, params
         )
         new = (optax.apply_updates(params, updates), new_opt_state)
         params, opt_state = optax.tree_utils.tree_where(
