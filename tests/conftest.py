@@ -28,6 +28,30 @@ settings.register_profile(
 settings.load_profile("lossscale")
 
 
+# The files holding the longest tests (trainings, notebooks, processes) run first, so
+# the two workers of `-n 2` end together instead of one waiting on a late long test.
+# Whole files move, so module-scoped fixtures are still set up once.
+_LONGEST_FIRST = (
+    "test_notebooks.py",
+    "test_demo.py",
+    "test_language_model.py",
+    "test_multiprocess.py",
+    "test_flax_examples.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return (
+            _LONGEST_FIRST.index(name)
+            if name in _LONGEST_FIRST
+            else len(_LONGEST_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: each file keeps its own order
+
+
 @pytest.fixture
 def strict_promotion():
     """Our code must not rely on implicit dtype promotion (optax's code does)."""
