@@ -223,7 +223,9 @@ def hlo_summary(counts: collections.Counter) -> dict:
         "vector_ops": _vector_work(counts),
         "fusions": counts["fusion"],
         "unfused": {
-            k.split(": ")[1]: n for k, n in counts.items() if k.startswith("vector op: ")
+            k.split(": ")[1]: n
+            for k, n in counts.items()
+            if k.startswith("vector op: ")
         }
         if counts["vector op"]
         else {},
