@@ -65,6 +65,16 @@ TRAIN_BASELINE = train_step.BASELINE
 CAPPED_AT_MANY = ("Flax DynamicScale recipe", "mpx")
 
 
+# What `device_for` reports, for merging runs stored without it.
+DEVICE_KINDS = {
+    "h100": "NVIDIA H100 80GB HBM3",
+    "tpu-v5e": "TPU v5 lite",
+    "tpu-v5p": "TPU v5",
+    "tpu-v6e": "TPU v6 lite",
+    "cpu": "cpu",
+}
+
+
 def device_for(target: str):
     from jax.experimental import topologies
 
@@ -308,7 +318,12 @@ def write(out, target, device_kind, found, rows, commands) -> None:
     text = heading + "\n" + table(rows, target) + "\n"
     with open(out + ".md", "w") as f:
         f.write(text)
-    record = {"target": target, "command": " and ".join(commands), "versions": found}
+    record = {
+        "target": target,
+        "device_kind": device_kind,
+        "command": " and ".join(commands),
+        "versions": found,
+    }
     with open(out + ".json", "w") as f:
         json.dump({**record, "rows": rows}, f, indent=1)
     print(text)
@@ -339,15 +354,16 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(
         os.path.dirname(__file__), "results", f"compiled_{args.target}"
     )
-    device = device_for(args.target)
-    if args.merge:
+    if args.merge:  # no compiler needed (a TPU's may be held by another run)
         runs = [json.load(open(path)) for path in args.merge]
         if any(run["target"] != args.target for run in runs):
             raise SystemExit(f"--merge: every run must be of --target {args.target}")
         commands = [run.get("command") or _command_of(run) for run in runs]
         rows = [row for run in runs for row in run["rows"]]
-        write(out, args.target, device.device_kind, runs[0]["versions"], rows, commands)
+        kind = runs[0].get("device_kind") or DEVICE_KINDS[args.target]
+        write(out, args.target, kind, runs[0]["versions"], rows, commands)
         return 0
+    device = device_for(args.target)
     chosen = [
         name
         for name in optimizer_step.VARIANTS
