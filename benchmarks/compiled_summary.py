@@ -33,6 +33,10 @@ def work(row: dict) -> int:
     return applied.get("kernels", applied.get("vector_ops"))
 
 
+def _ratio(value: float) -> str:
+    return "-" if value != value else f"{value:.3f}x"  # NaN: no peer to compare
+
+
 def summarize(path: str) -> str:
     data = json.load(open(path))
     rows = [r for r in data["rows"] if "bytes" in r]
@@ -79,7 +83,7 @@ def summarize(path: str) -> str:
         conds = max(r["applied"]["conds"] for r in ours.values())
         out.append(
             f"| {part} | {tree} | {grads} | {work(base)} / {ours_work} / {best} |"
-            f" {floor_ours:.3f}x / {floor_peer:.3f}x | {temp_ours:.2f} /"
+            f" {floor_ours:.3f}x / {_ratio(floor_peer)} | {temp_ours:.2f} /"
             f" {temp_peer:.2f} | {conds} |"
         )
     if tpu:
