@@ -208,11 +208,7 @@ def count_hlo(text: str, applied: bool) -> collections.Counter:
             elif op == "call":
                 counts += walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
             else:
-                key = _classify(shape, op, line)
-                if key is not None:
-                    counts[key] += 1
-                    if key.startswith("vector op: "):
-                        counts["vector op"] += 1
+                _tally(counts, _classify(shape, op, line))
         return counts
 
     return walk(entry)
@@ -312,15 +308,18 @@ def hbm_traffic(text: str, applied: bool) -> int:
     return walk(entry)
 
 
+def _tally(counts: collections.Counter, key: str | None) -> None:
+    if key is not None:
+        counts[key] += 1
+        if key.startswith("vector op: "):
+            counts["vector op"] += 1
+
+
 def count_branch(comps, name) -> collections.Counter:
     counts = collections.Counter()
     for line in comps[name]:
         shape, op = _split(line)
-        key = _classify(shape, op, line)
-        if key is not None:
-            counts[key] += 1
-            if key.startswith("vector op: "):
-                counts["vector op"] += 1
+        _tally(counts, _classify(shape, op, line))
     return counts
 
 

@@ -218,7 +218,8 @@ def test_costs_one_extra_read_of_the_gradients_in_xla_bytes(dtype):
     assert temp <= 0.05 * extra_read, temp
 
 
-def test_bad_arguments_are_refused_with_their_names():
+def _sgd_arguments():
+    """SGD, a one-leaf tree and `apply_gradients`' keyword arguments, all correct."""
     tx = optax.sgd(0.1)
     params = {"w": jnp.ones(2)}
     good = dict(
@@ -227,6 +228,11 @@ def test_bad_arguments_are_refused_with_their_names():
         opt_state=tx.init(params),
         loss_scale=lossscale.DynamicLossScale(),
     )
+    return tx, params, good
+
+
+def test_bad_arguments_are_refused_with_their_names():
+    tx, params, good = _sgd_arguments()
     with pytest.raises(TypeError, match="`tx` must be an optax transformation"):
         lossscale.apply_gradients(lambda g: g, **good)
     with pytest.raises(TypeError, match="`loss_scale` must be a loss-scale state"):
@@ -271,14 +277,7 @@ def test_an_opt_state_not_from_tx_init_is_refused_naming_where_it_differs():
 
 
 def test_near_misses_of_tx_and_loss_scale_say_what_to_write():
-    tx = optax.sgd(0.1)
-    params = {"w": jnp.ones(2)}
-    good = dict(
-        grads={"w": jnp.ones(2)},
-        params=params,
-        opt_state=tx.init(params),
-        loss_scale=lossscale.DynamicLossScale(),
-    )
+    tx, params, good = _sgd_arguments()
     with pytest.raises(TypeError, match="`sgd` is a factory: call it"):
         lossscale.apply_gradients(optax.sgd, **good)
     multi = optax.MultiSteps(tx, every_k_schedule=2)
