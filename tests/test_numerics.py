@@ -6,6 +6,7 @@ The finiteness check and the clipping norm reduce small leaves in groups
 where grouping matters, and hold a 1000-leaf step to plain optax.
 """
 
+import functools
 import re
 
 import hypothesis.strategies as st
@@ -195,13 +196,33 @@ def test_clip_norm_of_complex_gradients_is_the_norm_of_their_moduli(dtype):
     np.testing.assert_allclose(updates["w"], expected["w"], rtol=4e-7 * 4)
 
 
-def test_reductions_of_many_small_leaves_do_not_grow_with_their_number():
+def test_a_finite_complex_gradient_whose_modulus_overflows_is_finite(backend_form):
+    # |3e38 + 3e38j| is above float32's largest finite value; both parts are not.
+    grads = {"w": jnp.asarray(np.array([3e38 + 3e38j, 1j], np.complex64))}
+    assert bool(jax.jit(lossscale.all_finite)(grads))
+    tx = optax.sgd(1e-3)
+    params = jax.tree.map(jnp.zeros_like, grads)
+    new, _, state = jax.jit(functools.partial(lossscale.apply_gradients, tx))(
+        grads=grads,
+        params=params,
+        opt_state=tx.init(params),
+        loss_scale=lossscale.NoOpLossScale(),
+    )
+    assert int(state.skipped_steps) == 0
+    np.testing.assert_array_equal(new["w"], -1e-3 * np.asarray(grads["w"]))
+
+
+def test_many_small_leaves_take_a_reduction_per_stack_not_per_leaf():
+    # A stack of up to `finite.STACK` leaves of one shape is reduced once; the
+    # stacks' probes are combined by one more reduction.
     def reductions(count):
         tree = [jnp.ones((64, 16), jnp.bfloat16) for _ in range(count)]
         text = jax.jit(lossscale.all_finite).lower(tree).as_text()
         return len(re.findall(r"stablehlo\.reduce\b", text))
 
-    assert reductions(200) == reductions(2) > 0
+    for count in (2, finite.STACK, finite.STACK + 1, 200):
+        stacks = -(-count // finite.STACK)
+        assert reductions(count) == stacks + 1, (count, reductions(count))
 
 
 # -- a 1000-leaf step -------------------------------------------------------------

@@ -126,6 +126,74 @@ def test_with_clip_norm_the_leaf_is_found_too(clip_norm):
     assert apply_gradients_overflow_leaf(3, clip_norm) == 3
 
 
+# Leaves the XLA:GPU form once ordered otherwise: a small leaf before a large one
+# (large leaves came first), and small leaves of interleaved shapes (grouped by
+# shape). Each form must name the first non-finite leaf in tree order.
+TREE_ORDER_CASES = {
+    "small before large": [(3,), (finite.GROUP_BELOW,)],
+    "interleaved shapes": [(3,), (4,), (3,), (4,)],
+}
+
+
+@pytest.mark.parametrize("shapes", TREE_ORDER_CASES.values(), ids=TREE_ORDER_CASES)
+def test_every_form_names_the_first_non_finite_leaf_in_tree_order(backend_form, shapes):
+    tx = optax.sgd(0.1)
+    step = jax.jit(functools.partial(lossscale.apply_gradients, tx))
+    for bad in range(len(shapes) - 1):
+        leaves = [np.ones(shape, np.float32) for shape in shapes]
+        for later in range(bad, len(shapes)):  # this leaf and every later one
+            leaves[later][-1] = np.inf
+        grads = {f"g{i}": leaf for i, leaf in enumerate(leaves)}
+        params = jax.tree.map(jnp.zeros_like, grads)
+        _, _, state = step(
+            grads=grads,
+            params=params,
+            opt_state=tx.init(params),
+            loss_scale=lossscale.DynamicLossScale(),
+        )
+        expected = reference_first_nonfinite(leaves)
+        assert expected == bad
+        assert int(state.overflow_leaf) == expected, (backend_form, shapes, bad)
+
+
+# Finite gradients whose sum of squares overflows float32: one leaf's own sum (8
+# rows of 1024 squares of 3e17, each row's sum finite), or only the sum over two
+# leaves (each 4 squares of 7e18).
+NORM_OVERFLOWS = {
+    "in one leaf": ([np.full((8, 1024), 3e17, np.float32)], 0),
+    "over the leaves": ([np.full(4, 7e18, np.float32)] * 2, -1),
+}
+
+
+@pytest.mark.parametrize(
+    "leaves, expected", NORM_OVERFLOWS.values(), ids=NORM_OVERFLOWS
+)
+def test_with_clip_norm_an_overflowing_norm_is_recorded_alike_by_every_form(
+    backend_form, leaves, expected
+):
+    # `overflow_leaf` is then the first leaf whose own sum of squares is not
+    # finite, -1 if only the sum over leaves overflows: the same in every form.
+    grads = {f"g{i}": jnp.asarray(leaf) for i, leaf in enumerate(leaves)}
+    assert all(np.isfinite(leaf).all() for leaf in leaves)
+    squares = sum(np.sum(leaf.astype(np.float64) ** 2) for leaf in leaves)
+    assert squares > np.finfo(np.float32).max
+    tx = optax.sgd(0.1)
+    params = jax.tree.map(jnp.zeros_like, grads)
+    _, _, state = jax.jit(
+        functools.partial(lossscale.apply_gradients, tx, clip_norm=1.0)
+    )(
+        grads=grads,
+        params=params,
+        opt_state=tx.init(params),
+        loss_scale=lossscale.NoOpLossScale(),
+    )
+    assert int(state.skipped_steps) == 1
+    assert int(state.overflow_leaf) == expected, (
+        backend_form,
+        int(state.overflow_leaf),
+    )
+
+
 def test_a_forward_overflow_with_finite_gradients_records_no_leaf():
     params, grads = params_and_grads()
     tx = lossscale.wrap(optax.sgd(0.1))

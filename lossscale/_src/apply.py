@@ -80,31 +80,44 @@ def apply_gradients(
         )
     options = step.step_options(axis_name, clip_norm)
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
-    trainable = fp8.trainable(params)
-    expected = jax.eval_shape(tx.init, trainable)
-    if jax.tree.structure(expected) != jax.tree.structure(opt_state):
-        if trainable is not params:
-            raise ValueError(
-                f"`params` holds Flax's fp8 `{fp8.OVERWRITE}` collection, which"
-                " no optimizer sees: build `opt_state` with `tx.init` of the other"
-                " collections, e.g. `tx.init({k: v for k, v in params.items() if"
-                f" k != '{fp8.OVERWRITE}'}})`."
-            )
-        raise ValueError(
-            "`opt_state` must be `tx.init(params)` (then each step's new one), got"
-            f" a tree that differs from it: {_first_difference(opt_state, expected)}."
-            " Another optimizer's state, or one built for other parameters?"
-        )
     fp8.refuse_accumulation(params, opt_state, "`apply_gradients`")
     if value is not None:
         extra_args["value"] = value
-    result = step.guarded_step(
-        step.StepInput(loss_scale, grads, params, value, options),
-        optimizer_update(tx, extra_args),
-        opt_state,
-        apply_updates=True,
-    )
+    try:
+        result = step.guarded_step(
+            step.StepInput(loss_scale, grads, params, value, options),
+            optimizer_update(tx, extra_args),
+            opt_state,
+            apply_updates=True,
+        )
+    except Exception:
+        # Checked only now: tracing `tx.init` costs as much as the step.
+        _refuse_foreign_state(tx, params, opt_state)
+        raise
     return result.output, result.carry, result.loss_scale
+
+
+def _refuse_foreign_state(tx: optax.GradientTransformation, params, opt_state):
+    """Raises if `opt_state` has another tree than `tx.init(params)`."""
+    trainable = fp8.trainable(params)
+    try:
+        expected = jax.eval_shape(tx.init, trainable)
+    except Exception:  # the step's own error says more
+        return
+    if jax.tree.structure(expected) == jax.tree.structure(opt_state):
+        return
+    if trainable is not params:
+        raise ValueError(
+            f"`params` holds Flax's fp8 `{fp8.OVERWRITE}` collection, which"
+            " no optimizer sees: build `opt_state` with `tx.init` of the other"
+            " collections, e.g. `tx.init({k: v for k, v in params.items() if"
+            f" k != '{fp8.OVERWRITE}'}})`."
+        ) from None
+    raise ValueError(
+        "`opt_state` must be `tx.init(params)` (then each step's new one), got"
+        f" a tree that differs from it: {_first_difference(opt_state, expected)}."
+        " Another optimizer's state, or one built for other parameters?"
+    ) from None
 
 
 def optimizer_update(tx: optax.GradientTransformation, extra_args: dict) -> Any:

@@ -10,19 +10,17 @@ optimizer's update; the loss-scale state moves last (`update`). Why each choice:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
-import jax.extend
-import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
 from lossscale._src import finite
 from lossscale._src import fp8
+from lossscale._src import split as split_step
 from lossscale._src import unscaling
 from lossscale._src import update
 from lossscale._src.kind import LossScale
@@ -139,29 +137,41 @@ def guarded_step(
         axis_name=options.axis_name,
         norm=options.clip_norm is not None,
     )
-    applied = checked.grads_finite & checked.loss_finite
-    operands = (
-        split.grads,
-        (split.params, carry, split.old) if apply_updates else carry,
-        checked.norm,
+    # Behind a barrier, XLA:GPU's fusion does not weigh fusing the check into each
+    # of the thousands of ops that read its outcome (design.md, "The step").
+    applied, norm = jax.lax.optimization_barrier(
+        (checked.grads_finite & checked.loss_finite, checked.norm)
     )
-    # Traced once, whichever backend's form is lowered (design.md, "The step"):
-    # each form evaluates the jaxpr, and optax's Python runs once.
-    closed, shapes = jax.make_jaxpr(applied_step, return_shape=True)(*operands)
-    evaluate, tree = jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(shapes)
-    traced = _Traced(
-        lambda *operands: tree.unflatten(evaluate(*jax.tree.leaves(operands))),
-        # From the abstract values, which keep the `shard_map` typing (which mapped
-        # axes the values vary over) that the skip's zeros must have too.
-        tree.unflatten([jax.ShapeDtypeStruct.like(aval) for aval in closed.out_avals]),
+    kept = (split.params, carry, split.old) if apply_updates else carry
+    operands = (split.grads, kept, norm)
+    # Traced once: the select forms call it, XLA:CPU's splits its jaxpr.
+    jitted = jax.jit(applied_step)
+    traced, shapes = jax.make_jaxpr(jitted, return_shape=True)(*operands)
+    checks.refuse_changed_types(shapes[1], kept)
+    leaves, in_tree = jax.tree.flatten(operands)
+    out_tree = jax.tree.structure(shapes)
+    # What a skipped step gives for each output: the kept operand at that
+    # position, or negative zeros (`wrap`'s updates) where None.
+    first_kept, kept_count = (
+        len(leaves) - len(jax.tree.leaves((kept, norm))),
+        len(jax.tree.leaves(kept)),
     )
-    select = functools.partial(_select, applied, traced)
-    output, kept = finite.per_backend(
-        *operands,
-        cpu=functools.partial(_cond, applied, traced),
-        gpu=select,
-        tpu=select,
-    )
+    skipped = [None] * (out_tree.num_leaves - kept_count)
+    skipped += range(first_kept, first_kept + kept_count)
+
+    def select(*leaves):
+        new = jax.tree.leaves(jitted(*jax.tree.unflatten(in_tree, leaves)))
+        return _select(applied, new, leaves, skipped, traced.jaxpr.outvars, set())
+
+    def conds(*leaves):
+        step = split_step.plan(_inner(traced))
+        flat, decided = split_step.conds(step, leaves, applied, skipped)
+        return _select(
+            applied, flat, leaves, skipped, step.closed.jaxpr.outvars, decided
+        )
+
+    flat = finite.per_backend(*leaves, cpu=conds, gpu=select, tpu=select)
+    output, kept = jax.tree.unflatten(out_tree, flat)
     loss_scale = update.next_state(
         loss_scale, checked.grads_finite, checked.loss_finite, checked.first
     )
@@ -172,37 +182,25 @@ def guarded_step(
     return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
 
 
-class _Traced(NamedTuple):
-    """A step traced once to a jaxpr: `run` evaluates it, `types` its outputs."""
-
-    run: Callable[..., Any]
-    types: Any
-
-
-def _cond(applied: jax.Array, step: _Traced, *operands: Any) -> Any:
-    """The step under `jax.lax.cond`: a skipped step does none of its work."""
-    return jax.lax.cond(
-        applied,
-        lambda operands: step.run(*operands),
-        lambda operands: _skipped(step.types, operands[1]),
-        operands,
-    )
+def _inner(closed: Any) -> Any:
+    """The jaxpr of the jitted step inside `closed`, a call of it and nothing else."""
+    (eqn,) = closed.jaxpr.eqns
+    inner = eqn.params["jaxpr"]
+    if eqn.invars == closed.jaxpr.invars and eqn.outvars == closed.jaxpr.outvars:
+        return inner
+    return closed  # pragma: no cover - what jax would give if it inlined the call
 
 
-def _select(applied: jax.Array, step: _Traced, *operands: Any) -> Any:
-    """The step, then a select between its result and the skip's, leaf by leaf."""
-    result = step.run(*operands)
-    skipped = _skipped(step.types, operands[1])
-    return jax.tree.map(lambda a, b: jnp.where(applied, a, b), result, skipped)
-
-
-def _skipped(types: Any, kept: Any) -> Any:
-    """What a skipped step returns: negative zeros for the output, `kept` as is.
-
-    The step may change dtypes (float16 gradients, float32 updates), which is
-    where `optax.apply_if_finite` fails: the zeros take the applied types.
-    """
-    output_types, kept_types = types
-    checks.refuse_changed_types(kept_types, kept)
-    zeros = jax.tree.map(lambda t: jnp.full_like(t, -0.0), output_types)
-    return zeros, kept
+def _select(applied, new, old, skipped, outvars, decided) -> list:
+    """Each output: as given where `decided`, else `new` if applied, else kept."""
+    results = []
+    for k, (value, kept) in enumerate(zip(new, skipped, strict=True)):
+        if k not in decided:
+            stay = (
+                split_step.negative_zeros(outvars[k].aval)
+                if kept is None
+                else old[kept]
+            )
+            value = value if value is stay else jax.lax.select_n(applied, stay, value)
+        results.append(value)
+    return results
