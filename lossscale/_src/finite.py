@@ -324,5 +324,5 @@ def _axes(values: jax.Array) -> tuple[int, ...]:
 
 def _stack(values: list[jax.Array]) -> jax.Array:
     """`jnp.stack(values)`, in primitives."""
-    values = [lax.expand_dims(v, (0,)) for v in values]
+    values = [lax.reshape(v, (1, *v.shape)) for v in values]
     return values[0] if len(values) == 1 else lax.concatenate(values, 0)

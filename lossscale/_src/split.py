@@ -200,5 +200,4 @@ def _closed(inputs: Sequence[Any], part: Part) -> Any:
 
 
 def _is_scalar(v: Any) -> bool:
-    shape = getattr(v.aval, "shape", None)
-    return shape is not None and int(np.prod(shape)) == 1
+    return getattr(v.aval, "shape", None) == ()

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from lossscale._src.kind import LossScale
 
@@ -59,7 +60,7 @@ def unscale(grads: Any, state: LossScale, params: Any = None) -> Any:
     dtypes = _target_dtypes(leaves, treedef, params)
     return treedef.unflatten(
         [
-            g if g is None else _unscaled(g, inverse).astype(dtype)
+            g if g is None else lax.convert_element_type(_unscaled(g, inverse), dtype)
             for g, dtype in zip(leaves, dtypes, strict=True)
         ]
     )
@@ -94,8 +95,11 @@ def values_to_check(grads: Any, state: LossScale, params: Any = None) -> list[An
 
 def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:
     """The one definition of an unscaled value, at least float32 wide."""
+    # `lax`, not `jnp`: a primitive or two per leaf of the step's trace.
     wide = wide_dtype(grad.dtype)
-    return grad.astype(wide) * inverse.astype(wide)
+    if inverse.dtype != wide:
+        inverse = lax.convert_element_type(inverse, wide)
+    return lax.mul(lax.convert_element_type(grad, wide), inverse)
 
 
 def _inf_where_overflowing(value: jax.Array, dtype: Any) -> jax.Array:
