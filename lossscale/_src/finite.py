@@ -132,9 +132,8 @@ def per_backend(*args: Any, cpu: Callable, gpu: Callable, tpu: Callable) -> Any:
 
     All three are traced, one is lowered; other backends take the CPU's.
     """
-    return jax.lax.platform_dependent(
-        *args, cpu=cpu, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu
-    )
+    # The CPU's form as the default only: named as well, it would be traced twice.
+    return jax.lax.platform_dependent(*args, cuda=gpu, rocm=gpu, tpu=tpu, default=cpu)
 
 
 # Leaves with fewer elements are stacked by shape and dtype, larger ones reduced alone.
@@ -230,26 +229,20 @@ def _row_probes(leaf: jax.Array, square: bool) -> jax.Array:
 
 
 def _each(arrays, positions, square):
-    """TPU: one reduction per leaf, the results combined as scalars (design.md)."""
+    """TPU: one reduction per leaf, to a flag or a sum of squares (design.md)."""
     if square:
-        probes = [_sum_of_squares(leaf) for leaf in arrays]
-        bad = [lax.bitwise_not(lax.is_finite(probe)) for probe in probes]
-        total = probes[0]
-        for probe in probes[1:]:
-            total = lax.add(total, probe)
-    else:
-        # A flag per leaf, then one float: the TPU compiler then needs no temp
-        # buffer, where a sum of `x - x` needs one (design.md).
-        finite = [_all_finite(leaf) for leaf in arrays]
-        every = finite[0]
-        for more in finite[1:]:
-            every = lax.bitwise_and(every, more)
-        bad = [lax.bitwise_not(flag) for flag in finite]
-        total = lax.select(every, np.float32(0.0), np.float32(np.nan))
-    first = np.int32(-1)
-    for position, flag in zip(reversed(positions), reversed(bad), strict=True):
-        first = lax.select(flag, np.int32(position), first)
-    return total, lax.convert_element_type(first, np.int32)
+        probes = _stack([_sum_of_squares(leaf) for leaf in arrays])
+        return _combine(probes, np.asarray(positions, np.int32))
+    # A flag per leaf: the TPU compiler then needs no temp buffer, where a sum of
+    # `x - x` needs one (design.md).
+    flags = _stack([_all_finite(leaf) for leaf in arrays])
+    every = lax.reduce_and(flags, (0,))
+    total = lax.select(every, np.float32(0.0), np.float32(np.nan))
+    none = np.full(len(positions), _NONE, np.int32)
+    first = lax.reduce_min(
+        lax.select(flags, none, np.asarray(positions, np.int32)), (0,)
+    )
+    return total, lax.select(every, np.int32(-1), first)
 
 
 def _all_finite(leaf: jax.Array) -> jax.Array:

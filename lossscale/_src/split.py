@@ -22,6 +22,7 @@ import jax.extend.core as jcore
 import numpy as np
 from jax import lax
 from jax.extend.core.primitives import cond_p
+from jax.extend.core.primitives import select_n_p
 
 # The most outputs a part's cond carries (a parameter and Adam's moments of 64
 # leaves): XLA:CPU's compile time grows faster than linearly in them.
@@ -56,7 +57,7 @@ def plan(closed: Any, part_outputs: int = PART_OUTPUTS) -> Plan:
     scalar = {v for v in (*jaxpr.constvars, *jaxpr.invars) if _is_scalar(v)}
     scalar_eqns, rest = [], []
     for eqn in jaxpr.eqns:
-        reads = (v for v in eqn.invars if isinstance(v, jcore.Var))
+        reads = (v for v in eqn.invars if not isinstance(v, jcore.Literal))
         if all(map(_is_scalar, eqn.outvars)) and all(v in scalar for v in reads):
             scalar_eqns.append(eqn)
             scalar.update(eqn.outvars)
@@ -99,7 +100,7 @@ def conds(
     values.update(zip(jaxpr.invars, operands, strict=True))
     if step.scalars is not None:
         scalars = step.scalars
-        run = jcore.jaxpr_as_fun(_closed(scalars.inputs, scalars))
+        run = jcore.jaxpr_as_fun(_jaxpr(scalars.inputs, scalars.outputs, scalars.eqns))
         results = run(*(values[v] for v in scalars.inputs))
         values.update(zip(scalars.outputs, results, strict=True))
     given: dict[int, Any] = {}
@@ -116,6 +117,44 @@ def conds(
     return outputs, set(given)
 
 
+def select(
+    step: Any, operands: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
+) -> list | None:
+    """The step on `operands`, and a select per output between it and the skip's.
+
+    A skipped step keeps what `conds` keeps. Returns None where the types of the
+    two differ.
+
+    The selects are put in the step's jaxpr, not traced: a call of it with the
+    selects added, which XLA inlines (as it does `platform_dependent`'s own).
+    `step` is the step's closed jaxpr.
+    """
+    jaxpr = step.jaxpr
+    zeros = {}
+    for out, i in zip(jaxpr.outvars, kept, strict=True):
+        if i is None and out.aval not in zeros:
+            zeros[out.aval] = negative_zeros(out.aval)
+    pred = jcore.Var(jax.typeof(applied))
+    zero_vars = {aval: jcore.Var(jax.typeof(value)) for aval, value in zeros.items()}
+    eqns, outputs = list(jaxpr.eqns), []
+    for out, i in zip(jaxpr.outvars, kept, strict=True):
+        stay = zero_vars[out.aval] if i is None else jaxpr.invars[i]
+        if stay is out:
+            outputs.append(out)  # an input the step returns as it is
+            continue
+        if stay.aval != out.aval:
+            return None  # a `shard_map` typing or a weak type: `lax.select_n`'s
+        new = jcore.Var(out.aval)
+        eqns.append(
+            jcore.new_jaxpr_eqn([pred, stay, out], [new], select_n_p, {}, frozenset())
+        )
+        outputs.append(new)
+    inputs = [pred, *zero_vars.values(), *jaxpr.constvars, *jaxpr.invars]
+    branch = _jaxpr(inputs, outputs, eqns)
+    values = [applied, *zeros.values(), *step.consts, *operands]
+    return cond_p.bind(np.int32(0), *values, branches=(branch,))
+
+
 def negative_zeros(aval: Any) -> jax.Array:
     """What a skipped step's updates are: `p + (-0.0)` is `p`, bit for bit."""
     return jax.numpy.full_like(jax.ShapeDtypeStruct.like(aval), -0.0)
@@ -123,26 +162,33 @@ def negative_zeros(aval: Any) -> jax.Array:
 
 def _cond(applied, part, held, keep, operands, jaxpr):
     """`lax.cond(applied, part, skip)`, with the part's equations bound as they are."""
-    where = {v: i for i, v in enumerate(held)}
-
-    def skip(*values):
-        return [
-            negative_zeros(out.aval) if i is None else values[where[jaxpr.invars[i]]]
-            for out, i in zip(part.outputs, keep, strict=True)
-        ]
-
-    branch = _closed(held, part)
-    false = jax.make_jaxpr(skip)(*operands)
-    if (
-        not false.consts
-        and false.in_avals == branch.in_avals
-        and false.out_avals == branch.out_avals
-    ):
+    zeros = {
+        jaxpr.outvars[k].aval
+        for k, i in zip(part.positions, keep, strict=True)
+        if i is None
+    }
+    made = jax.make_jaxpr(lambda: [negative_zeros(aval) for aval in zeros])()
+    made_for = dict(zip(zeros, made.jaxpr.outvars, strict=True))
+    skipped = [
+        made_for[out.aval] if i is None else jaxpr.invars[i]
+        for out, i in zip(part.outputs, keep, strict=True)
+    ]
+    false = _jaxpr(held, skipped, made.jaxpr.eqns)
+    branch = _jaxpr(held, part.outputs, part.eqns)
+    if not made.consts and false.out_avals == branch.out_avals:
         index = lax.convert_element_type(applied, np.int32)
         return cond_p.bind(index, *operands, branches=(false, branch))
     # Types the branches differ in (a `shard_map` typing that `lax.cond`
     # reconciles): the slower path, which traces the part again.
-    return lax.cond(applied, jcore.jaxpr_as_fun(branch), skip, *operands)
+    where = {v: i for i, v in enumerate(held)}
+    return lax.cond(
+        applied,
+        jcore.jaxpr_as_fun(branch),
+        lambda *values: [
+            values[where[v]] if v in where else negative_zeros(v.aval) for v in skipped
+        ],
+        *operands,
+    )
 
 
 def _value(v: Any, values: dict) -> Any:
@@ -161,12 +207,14 @@ def _connected(eqns: list) -> list[list]:
             i = parent[i]
         return i
 
-    producer = {}
+    producer: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
-            if isinstance(v, jcore.Var) and v in producer:
-                a, b = root(i), root(producer[v])
-                parent[max(a, b)] = min(a, b)
+            j = None if isinstance(v, jcore.Literal) else producer.get(v)
+            if j is not None:  # not a literal, nor an input of the step
+                a, b = root(i), root(j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
         for v in eqn.outvars:
             producer[v] = i
     groups: dict[int, list] = {}
@@ -188,14 +236,13 @@ def _part(eqns: Sequence[Any], wanted: Sequence[Any]) -> Part:
     return Part(tuple(eqns), tuple(inputs), outputs, positions)
 
 
-def _closed(inputs: Sequence[Any], part: Part) -> Any:
-    """A part as a closed jaxpr of `inputs` (a superset of its own), to its outputs."""
-    outputs = part.outputs
-    effects = frozenset().union(*(eqn.effects for eqn in part.eqns))
+def _jaxpr(inputs: Sequence[Any], outputs: Sequence[Any], eqns: Sequence[Any]) -> Any:
+    """A closed jaxpr of `eqns`, from `inputs` (a superset of theirs) to `outputs`."""
+    effects = frozenset().union(*(eqn.effects for eqn in eqns))
     debug = jcore.DebugInfo(
         "lossscale", "a part of the step", ("",) * len(inputs), ("",) * len(outputs)
     )
-    jaxpr = jcore.Jaxpr((), tuple(inputs), outputs, list(part.eqns), effects, debug)
+    jaxpr = jcore.Jaxpr((), tuple(inputs), list(outputs), list(eqns), effects, debug)
     return jcore.ClosedJaxpr(jaxpr, ())
 
 

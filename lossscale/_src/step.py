@@ -15,6 +15,7 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import jax.extend.core as jcore
 import optax
 
 from lossscale._src import checks
@@ -160,6 +161,9 @@ def guarded_step(
     skipped += range(first_kept, first_kept + kept_count)
 
     def select(*leaves):
+        selected = split_step.select(_inner(traced), leaves, applied, skipped)
+        if selected is not None:
+            return selected
         new = jax.tree.leaves(jitted(*jax.tree.unflatten(in_tree, leaves)))
         return _select(applied, new, leaves, skipped, traced.jaxpr.outvars, set())
 
@@ -183,12 +187,28 @@ def guarded_step(
 
 
 def _inner(closed: Any) -> Any:
-    """The jaxpr of the jitted step inside `closed`, a call of it and nothing else."""
-    (eqn,) = closed.jaxpr.eqns
-    inner = eqn.params["jaxpr"]
-    if eqn.invars == closed.jaxpr.invars and eqn.outvars == closed.jaxpr.outvars:
-        return inner
-    return closed  # pragma: no cover - what jax would give if it inlined the call
+    """The jaxpr of the jitted step that `closed` calls, as a jaxpr of its inputs.
+
+    What the step closes over (the loss-scale state, ...) becomes its constants.
+    """
+    (call,) = closed.jaxpr.eqns
+    inner = call.params["jaxpr"]
+    by_outer = dict(zip(call.invars, inner.jaxpr.invars, strict=True))
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+    if call.outvars != closed.jaxpr.outvars or len(by_outer) != len(call.invars):
+        return closed  # pragma: no cover - no jax gives this: the call as it is
+    constvars = [by_outer[v] for v in consts if v in by_outer]
+    jaxpr = jcore.Jaxpr(
+        (*constvars, *inner.jaxpr.constvars),
+        [by_outer[v] for v in closed.jaxpr.invars],
+        inner.jaxpr.outvars,
+        inner.jaxpr.eqns,
+        inner.jaxpr.effects,
+        inner.jaxpr.debug_info,
+    )
+    return jcore.ClosedJaxpr(
+        jaxpr, [consts[v] for v in consts if v in by_outer] + list(inner.consts)
+    )
 
 
 def _select(applied, new, old, skipped, outvars, decided) -> list:
