@@ -3,6 +3,8 @@
     pip install -e ".[bench]"
     python benchmarks/compile_time.py [--leaves 100,300,1000,3000]
                                       [--grad-dtypes float32,bfloat16] [--repeats 1]
+    python benchmarks/compile_time.py --parts mlp,transformer --leaves 40,100,300,1000
+    ~/aot-h100/bin/python benchmarks/compile_time.py --target h100   # no GPU needed
 
 Real models have hundreds to thousands of parameter leaves. Every variant of
 `optimizer_step.py` (plain Adam, `wrap`, `apply_gradients`, `TrainState` and the
@@ -14,7 +16,13 @@ alone. Reported per variant: the time to trace and lower, the time to compile, t
 sum and its ratio to plain Adam's and to `optax.apply_if_finite`'s at the same N,
 and XLA's figures of the compiled step: HLO instructions, fusions and bytes
 accessed. The slope is a least-squares fit of the total time against N (ms per
-leaf). A peer that fails is reported as failed, with the reason; a variant capped
+leaf). `--parts mlp,transformer` compile the whole float16 train step instead
+(forward, backward and Adam, float32 parameters; the baseline is the same step
+without loss scaling): a deep MLP of tanh layers of width 64 (two leaves a layer)
+and `train_step.py`'s transformer, unscanned, at width 64 (six leaves a block, two
+more). `--target h100` or `tpu-v5e`/`tpu-v5p` compiles for that device without one
+(as `compiled.py`, in its virtual environment). A peer that fails is reported as
+failed, with the reason; a variant capped
 by `--cap` (Flax's recipe and mpx, whose compile time grows much faster than
 linearly: 48 s at 300 leaves) is not run above its cap.
 Results: a table on stdout and `benchmarks/results/compile_time.{json,md}` (`--out`).
@@ -41,9 +49,11 @@ import lossscale  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import optimizer_step  # noqa: E402
+import train_step  # noqa: E402
 
 BASELINE = "plain optax step (baseline)"
 PEER = "optax.apply_if_finite(tx)"
+TRAIN_PEER = "optax.apply_if_finite(adam)"
 # The select study is a study of runtime, not a way to train.
 SKIPPED = ("study: one call with a select, not a cond",)
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%\S+ = ", re.M)
@@ -62,13 +72,55 @@ def make_trees(leaves: int, grad_dtype) -> tuple[dict, dict]:
     return params, grads
 
 
-def measure(make, params, grads) -> dict:
+def deep_mlp(key, leaves: int, width: int = 64, batch: int = 32, compute=jnp.float16):
+    """tanh layers of `width`, two leaves (kernel, bias) each: `leaves // 2` layers."""
+    layers = max(leaves // 2, 1)
+    keys = jax.random.split(key, layers + 2)
+    params = {
+        f"layer{i:04d}": {
+            "w": jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
+            "b": jnp.zeros((width,)),
+        }
+        for i in range(layers)
+    }
+    x = jax.random.normal(keys[-2], (batch, width))
+    y = jax.random.randint(keys[-1], (batch,), 0, width)
+
+    def loss_fn(params, batch):
+        h, labels = batch[0].astype(compute), batch[1]
+        for name in sorted(params):
+            layer = params[name]
+            h = jnp.tanh(h @ layer["w"].astype(compute) + layer["b"].astype(compute))
+        logits = h.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return params, (x, y), loss_fn
+
+
+def small_transformer(key, leaves: int):
+    """`train_step.py`'s transformer at width 64, `(leaves - 2) // 6` blocks."""
+    depth = max((leaves - 2) // 6, 1)
+    return train_step.transformer(
+        key, width=64, heads=4, depth=depth, tokens=32, rows=4, vocab=256
+    )
+
+
+PARTS = {"mlp": deep_mlp, "transformer": small_transformer}
+
+
+def measure(make, params, third, device=None) -> dict:
     """Trace and lower, then compile, the jitted step; XLA's figures of it."""
     params = jax.tree.map(jnp.copy, params)
     step, state = make(params)
     jitted = jax.jit(step, donate_argnums=(0, 1))
+    args = (params, state, third)
+    if device is not None:  # compiled for a device this machine need not have
+        import compiled as aot
+
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        args = tuple(aot._abstract(tree, sharding) for tree in args)
     start = time.perf_counter()
-    lowered = jitted.lower(params, state, grads)
+    lowered = jitted.lower(*args)
     lowered_at = time.perf_counter()
     compiled = lowered.compile()
     compiled_at = time.perf_counter()
@@ -81,25 +133,33 @@ def measure(make, params, grads) -> dict:
         "total_s": compiled_at - start,
         "instructions": len(_INSTRUCTION.findall(text)),
         "fusions": text.count(" fusion("),
-        "bytes_accessed": float(cost.get("bytes accessed", np.nan)),
+        "bytes_accessed": float((cost or {}).get("bytes accessed", np.nan)),
     }
 
 
-def run(names, leaves, grad_dtype, repeats, caps=None) -> list[dict]:
-    params, grads = make_trees(leaves, grad_dtype)
+def run(part, names, leaves, grad_dtype, repeats, caps=None, device=None):
+    """Every variant of `part` at `leaves`, each jitted afresh, `repeats` times."""
+    if part == "optimizer":
+        params, third = make_trees(leaves, grad_dtype)
+        variants, baseline = optimizer_step.VARIANTS, BASELINE
+    else:
+        params, third, loss_fn = PARTS[part](jax.random.key(0), leaves)
+        variants = {name: make(loss_fn) for name, make in train_step.VARIANTS.items()}
+        baseline, grad_dtype = train_step.BASELINE, "float16 step"
+    count = len(jax.tree.leaves(params))
     rows = []
-    for name in names:
-        print(f"  {leaves} leaves, {grad_dtype}: {name}", file=sys.stderr, flush=True)
-        row = {"leaves": leaves, "grad_dtype": str(grad_dtype), "variant": name}
-        cap = min((n for part, n in (caps or {}).items() if part in name), default=None)
+    for name in names[part]:
+        print(f"  {part}, {count} leaves: {name}", file=sys.stderr, flush=True)
+        row = {"part": part, "leaves": count, "grad_dtype": str(grad_dtype)}
+        row["variant"] = name
+        cap = min((n for key, n in (caps or {}).items() if key in name), default=None)
         if cap is not None and leaves > cap:
             row["error"] = f"not run above {cap} leaves (--cap)"
             rows.append(row)
             continue
         try:
             results = [
-                measure(optimizer_step.VARIANTS[name], params, grads)
-                for _ in range(repeats)
+                measure(variants[name], params, third, device) for _ in range(repeats)
             ]
             row.update(min(results, key=lambda r: r["total_s"]))
             row["error"] = None
@@ -107,23 +167,26 @@ def run(names, leaves, grad_dtype, repeats, caps=None) -> list[dict]:
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:140]}"
         rows.append(row)
     base = {r["variant"]: r for r in rows}
+    peer = PEER if part == "optimizer" else TRAIN_PEER
     for row in rows:
         if row["error"]:
             continue
-        for key, ref in (("adam_ratio", BASELINE), ("peer_ratio", PEER)):
+        for key, ref in (("adam_ratio", baseline), ("peer_ratio", peer)):
             ok = ref in base and not base[ref]["error"]
             row[key] = row["total_s"] / base[ref]["total_s"] if ok else np.nan
+            if key == "adam_ratio" and ok:
+                row["lower_ratio"] = row["lower_s"] / base[ref]["lower_s"]
     return rows
 
 
 def slopes(rows) -> dict:
     """ms per leaf: the least-squares slope of total time against leaves."""
     out = {}
-    for key in {(r["variant"], r["grad_dtype"]) for r in rows}:
+    for key in {(r["part"], r["variant"], r["grad_dtype"]) for r in rows}:
         points = [
             (r["leaves"], r["total_s"])
             for r in rows
-            if (r["variant"], r["grad_dtype"]) == key and not r["error"]
+            if (r["part"], r["variant"], r["grad_dtype"]) == key and not r["error"]
         ]
         if len(points) >= 2:
             x, y = np.array(points, dtype=float).T
@@ -131,16 +194,15 @@ def slopes(rows) -> dict:
     return out
 
 
-def write(rows, out: str, argv) -> None:
+def write(rows, out: str, argv, target: str) -> None:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     meta = {
         "command": " ".join(["python", "benchmarks/compile_time.py", *argv]),
         "jax": jax.__version__,
         "optax": optax.__version__,
         "lossscale": lossscale.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "cpu_count": os.cpu_count(),
+        "target": target,
+        "host": f"{os.cpu_count()} CPUs",
     }
     fitted = slopes(rows)
     with open(out + ".json", "w") as f:
@@ -148,7 +210,9 @@ def write(rows, out: str, argv) -> None:
             {
                 "meta": meta,
                 "rows": rows,
-                "slopes_ms_per_leaf": {f"{v} | {d}": s for (v, d), s in fitted.items()},
+                "slopes_ms_per_leaf": {
+                    " | ".join(key): slope for key, slope in fitted.items()
+                },
             },
             f,
             indent=1,
@@ -156,29 +220,35 @@ def write(rows, out: str, argv) -> None:
     lines = [
         "# Compile time at model scale",
         "",
-        f"`{meta['command']}`: jax {meta['jax']}, optax {meta['optax']},"
-        f" {meta['backend']} ({meta['device']}, {meta['cpu_count']} CPUs), lossscale"
-        f" {meta['lossscale']}. Parameter leaves of 64x16 (float32); one process;"
-        " times in seconds; ratios of the total (trace, lower and compile) to plain"
-        " Adam's and to `optax.apply_if_finite`'s at the same leaf count and dtype.",
+        f"`{meta['command']}`: jax {meta['jax']}, optax {meta['optax']}, compiled"
+        f" for {target} on a host of {meta['host']}, lossscale {meta['lossscale']}."
+        " Optimizer step: parameter leaves of 64x16 (float32), gradients of the"
+        " dtype given; train steps: the whole float16 step. One process, each"
+        " function jitted afresh, the minimum over repeats; times in seconds;"
+        " ratios of the total (trace, lower and compile) to the baseline's (plain"
+        " Adam, or the train step without loss scaling) and to"
+        " `optax.apply_if_finite`'s at the same leaf count and dtype.",
         "",
-        "| leaves | grads | variant | trace+lower s | compile s | total s | / Adam |"
-        " / apply_if_finite | HLO instructions | fusions | bytes / Adam's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| part | leaves | grads | variant | trace+lower s (/ baseline) | compile s |"
+        " total s | / baseline | / apply_if_finite | HLO instructions | fusions |"
+        " bytes / baseline's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    baselines = (BASELINE, train_step.BASELINE)
     base_bytes = {
-        (r["leaves"], r["grad_dtype"]): r.get("bytes_accessed")
+        (r["part"], r["leaves"], r["grad_dtype"]): r.get("bytes_accessed")
         for r in rows
-        if r["variant"] == BASELINE and not r["error"]
+        if r["variant"] in baselines and not r["error"]
     }
     for r in rows:
-        head = f"| {r['leaves']} | {r['grad_dtype']} | {r['variant']} |"
+        head = f"| {r['part']} | {r['leaves']} | {r['grad_dtype']} | {r['variant']} |"
         if r["error"]:
             lines.append(f"{head} failed: {r['error']} | | | | | | | |")
             continue
-        ref = base_bytes.get((r["leaves"], r["grad_dtype"]), np.nan)
+        ref = base_bytes.get((r["part"], r["leaves"], r["grad_dtype"]), np.nan)
         lines.append(
-            f"{head} {r['lower_s']:.2f} | {r['compile_s']:.2f} | {r['total_s']:.2f} |"
+            f"{head} {r['lower_s']:.2f} ({r.get('lower_ratio', np.nan):.2f}x) |"
+            f" {r['compile_s']:.2f} | {r['total_s']:.2f} |"
             f" {r['adam_ratio']:.2f}x | {r['peer_ratio']:.2f}x | {r['instructions']}"
             f" | {r['fusions']} | {r['bytes_accessed'] / ref:.3f}x |"
         )
@@ -186,11 +256,11 @@ def write(rows, out: str, argv) -> None:
         "",
         "Slope of the total time against the leaf count (least squares), ms per leaf:",
         "",
-        "| variant | grads | ms per leaf |",
-        "|---|---|---|",
+        "| part | variant | grads | ms per leaf |",
+        "|---|---|---|---|",
     ]
-    for (variant, dtype), slope in sorted(fitted.items()):
-        lines.append(f"| {variant} | {dtype} | {slope:.2f} |")
+    for (part, variant, dtype), slope in sorted(fitted.items()):
+        lines.append(f"| {part} | {variant} | {dtype} | {slope:.2f} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -200,6 +270,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--leaves", default="100,300,1000,3000")
     parser.add_argument("--grad-dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--parts", default="optimizer", help="of: optimizer, mlp, transformer"
+    )
+    parser.add_argument(
+        "--target", default="cpu", choices=["cpu", "h100", "tpu-v5e", "tpu-v5p"]
+    )
     parser.add_argument("--variants", default="", help="comma-separated substrings")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/compile_time")
@@ -214,24 +290,53 @@ def main(argv=None):
         part: int(n)
         for part, n in (item.rsplit("=", 1) for item in args.cap.split(",") if item)
     }
-    names = [
-        name
-        for name in optimizer_step.VARIANTS
-        if name not in SKIPPED
-        and (
-            not args.variants
-            or name in (BASELINE, PEER)
-            or any(part in name for part in args.variants.split(","))
-        )
-    ]
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p != "optimizer" and p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; known: optimizer, {list(PARTS)}")
+    device = None
+    if args.target != "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import compiled as aot
+
+        device = aot.device_for(args.target)
+
+    def chosen(variants, always):
+        return [
+            name
+            for name in variants
+            if name not in SKIPPED
+            and (
+                not args.variants
+                or name in always
+                or any(part in name for part in args.variants.split(","))
+            )
+        ]
+
+    names = {
+        "optimizer": chosen(optimizer_step.VARIANTS, (BASELINE, PEER)),
+        **{
+            part: chosen(train_step.VARIANTS, (train_step.BASELINE, TRAIN_PEER))
+            for part in PARTS
+        },
+    }
+    dtypes = {
+        part: args.grad_dtypes.split(",") if part == "optimizer" else ["float16"]
+        for part in parts
+    }
     print("warming JAX's caches at 10 leaves", file=sys.stderr)
-    for grad_dtype in args.grad_dtypes.split(","):
-        run(names, 10, jnp.dtype(grad_dtype), 1)
+    for part in parts:
+        for grad_dtype in dtypes[part]:
+            run(part, names, 10, jnp.dtype(grad_dtype), 1, device=device)
     rows = []
     for leaves in map(int, args.leaves.split(",")):
-        for grad_dtype in args.grad_dtypes.split(","):
-            rows += run(names, leaves, jnp.dtype(grad_dtype), args.repeats, caps)
-            write(rows, args.out, argv)
+        for part in parts:
+            for grad_dtype in dtypes[part]:
+                rows += run(
+                    part, names, leaves, jnp.dtype(grad_dtype), args.repeats, caps,
+                    device,
+                )  # fmt: skip
+                write(rows, args.out, argv, args.target)
     with open(args.out + ".md") as f:
         print(f.read())
 

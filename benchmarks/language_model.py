@@ -32,7 +32,7 @@ import optax
 
 import lossscale
 
-F32, F16 = jnp.float32, jnp.float16
+F32, F16, BF16 = jnp.float32, jnp.float16, jnp.bfloat16
 
 
 def corpus() -> tuple[np.ndarray, np.ndarray]:
@@ -110,15 +110,27 @@ def cross_entropy(logits, targets):
 
 RUNS = {
     "float32": (F32, None),
+    "bfloat16": (BF16, lossscale.NoOpLossScale()),
     "float16, no loss scaling": (F16, lossscale.NoOpLossScale()),
     "float16, dynamic loss scaling": (F16, lossscale.DynamicLossScale()),
 }
 
 
+def model_for(args, compute):
+    norms = F16 if (args.float16_norms and compute == F16) else F32
+    return ByteLM(
+        width=args.width,
+        layers=args.layers,
+        heads=args.heads,
+        compute=compute,
+        norms=norms,
+        context=args.context,
+    )
+
+
 def train(name, args, data, held_out, seed):
     compute, loss_scale = RUNS[name]
-    norms = F16 if (args.float16_norms and compute == F16) else F32
-    model = ByteLM(compute=compute, norms=norms, context=args.context)
+    model = model_for(args, compute)
     stream = batches(data, args.batch, args.context, seed)
     params = model.init(jax.random.key(seed), next(stream)[0])["params"]
     schedule = optax.warmup_cosine_decay_schedule(
@@ -141,11 +153,16 @@ def train(name, args, data, held_out, seed):
     held_stream = batches(held_out, 64, args.context, 1)
     held = [next(held_stream) for _ in range(args.eval_batches)]
     losses, scales = [], []
-    for _ in range(args.steps):
+    for index in range(args.steps):
+        if index == 1:  # the first step compiled; time the others
+            jax.block_until_ready(params)
+            start = time.perf_counter()
         x, y = next(stream)
         params, opt_state, loss_scale, loss = step(params, opt_state, loss_scale, x, y)
         losses.append(loss)
         scales.append(loss_scale.scale)
+    jax.block_until_ready(params)
+    seconds = time.perf_counter() - start if args.steps > 1 else float("nan")
     held_loss = float(np.mean([evaluate(params, x, y) for x, y in held]))
     metrics = {k: v.item() for k, v in lossscale.metrics(loss_scale).items()}
     return {
@@ -154,6 +171,8 @@ def train(name, args, data, held_out, seed):
         "held_out_loss": held_loss,
         "skipped_steps": metrics["skipped_steps"],
         "final_scale": metrics["loss_scale"],
+        # Host batching included, as a user's loop has it.
+        "tokens_per_s": (args.steps - 1) * args.batch * args.context / seconds,
         "params": params,
     }
 
@@ -163,8 +182,7 @@ def gradient_fidelity(params, args, data, scale):
     x, y = next(batches(data, args.batch, args.context, 12345))
 
     def grads(compute, loss_scale):
-        norms = F16 if (args.float16_norms and compute == F16) else F32
-        model = ByteLM(compute=compute, norms=norms, context=args.context)
+        model = model_for(args, compute)
         loss_fn = lambda p: cross_entropy(model.apply({"params": p}, x), y)  # noqa: E731
         _, g = jax.jit(lossscale.value_and_grad(loss_fn))(loss_scale, params)
         return lossscale.unscale_grads(g, loss_scale)
@@ -206,14 +224,25 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--float16-norms", action="store_true")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--runs",
+        default="float32,float16, no loss scaling,float16, dynamic loss scaling",
+        help="comma-separated run names (of: float32, bfloat16, float16, no loss"
+        " scaling, float16, dynamic loss scaling)",
+    )
     parser.add_argument("--quick", action="store_true", help="no plot")
     parser.add_argument("--out", default="benchmarks/results/language_model")
     args = parser.parse_args(argv)
     data, held_out = corpus()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     results = {"args": vars(args), "jax": jax.__version__, "runs": {}}
     start = time.perf_counter()
+    runs = [name for name in RUNS if name in args.runs]
     for seed in (int(s) for s in args.seeds.split(",")):
-        for name in RUNS:
+        for name in runs:
             run = train(name, args, data, held_out, seed)
             params = run.pop("params")
             results["runs"].setdefault(name, {})[seed] = run
@@ -222,9 +251,12 @@ def main(argv=None):
             print(
                 f"seed {seed} {name:30s} held-out {run['held_out_loss']:.4f}"
                 f" skipped {run['skipped_steps']:3d} scale {run['final_scale']:g}"
+                f" {run['tokens_per_s']:.0f} tokens/s"
                 f" ({time.perf_counter() - start:.0f}s)",
                 file=sys.stderr,
             )
+            with open(args.out + ".partial.json", "w") as f:  # a run cut short
+                json.dump(results, f)
         if seed == int(args.seeds.split(",")[0]):
             results["fidelity"] = gradient_fidelity(
                 fidelity_params, args, data, 2.0**15
@@ -241,21 +273,24 @@ def write(results, args):
         "# Byte-level transformer language model, float16",
         "",
         f"`python {' '.join(sys.argv)}`: jax {results['jax']}, {jax.default_backend()},"
-        f" {args.steps} steps of {args.batch} x {args.context} bytes, Adam (warmup,"
-        f" cosine decay, clipping at 1), layer norms and softmax in"
-        f" {'float16' if args.float16_norms else 'float32'}.",
+        f" ({jax.devices()[0].device_kind}), {args.layers} blocks of width"
+        f" {args.width}, {args.steps} steps of {args.batch} x {args.context} bytes,"
+        " Adam (warmup, cosine decay, clipping at 1), layer norms and softmax in"
+        f" {'float16' if args.float16_norms else 'float32'}. Tokens/s: the steps"
+        " after the first (which compiles), host batching included.",
         "",
         "| run | held-out loss per seed (nats/byte) | mean | skipped steps |"
-        " final scale |",
-        "|---|---|---|---|---|",
+        " final scale | tokens/s per seed |",
+        "|---|---|---|---|---|---|",
     ]
     for name, seeds in results["runs"].items():
         held = [run["held_out_loss"] for run in seeds.values()]
         skipped = ", ".join(str(run["skipped_steps"]) for run in seeds.values())
         scales = ", ".join(f"{run['final_scale']:g}" for run in seeds.values())
+        speed = ", ".join(f"{run['tokens_per_s']:.3g}" for run in seeds.values())
         lines.append(
             f"| {name} | {', '.join(f'{h:.4f}' for h in held)} | {np.mean(held):.4f} |"
-            f" {skipped} | {scales} |"
+            f" {skipped} | {scales} | {speed} |"
         )
     lines += [
         "",

@@ -50,7 +50,9 @@ class Candidate:
             params = jax.tree.map(lambda x: x.copy(), params)
             step, state = make(params)
             self.jitted = jax.jit(step, donate_argnums=(0, 1))
+            start = time.perf_counter()
             compiled = self.jitted.lower(params, state, grads).compile()
+            self.compile_s = time.perf_counter() - start
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost
             memory = compiled.memory_analysis()
@@ -81,6 +83,22 @@ class Candidate:
     def profile(self, steps: int) -> dict[str, float]:
         """Host dispatch and device time per step, from a profiler trace."""
         return profiling.profile(self.run_step, steps)
+
+
+def _profiled(candidate, base, steps: int, blocks: int = 3):
+    """Profiled blocks of the candidate and the baseline, interleaved: each's
+    last trace, with the median and minimum device time per step over blocks."""
+    traces = {id(candidate): [], id(base): []}
+    for _ in range(blocks):
+        for who in (candidate, base):
+            traces[id(who)].append(who.profile(steps))
+    for who in (candidate, base):
+        device = [t["kernel_us_per_step"] for t in traces[id(who)]]
+        who.trace = {
+            **traces[id(who)][-1],
+            "kernel_us_per_step": float(np.median(device)),
+            "kernel_us_per_step_min": float(np.min(device)),
+        }
 
 
 def block_size() -> int:
@@ -118,8 +136,7 @@ def compare(variants, params, grads, *, steps, label, baseline):
                     base_times.append(base.run_step(block_size()))
                     times.append(candidate.run_step(block_size()))
                 compilations = candidate.jitted._cache_size()
-                candidate.trace = candidate.profile(profiled_steps())
-                base.trace = base.profile(profiled_steps())
+                _profiled(candidate, base, profiled_steps())
             except Exception as error:
                 candidate.error = f"{type(error).__name__}: {error}"[:160]
         rows.append(_row(label, candidate, base, base_times, times, compilations))
@@ -148,6 +165,10 @@ def _row(label, candidate, base, base_times, times, compilations):
             **{f"baseline_{key}": value for key, value in base.trace.items()},
             "device_time_ratio": candidate.trace["kernel_us_per_step"]
             / base.trace["kernel_us_per_step"],
+            "device_time_min_ratio": candidate.trace["kernel_us_per_step_min"]
+            / base.trace["kernel_us_per_step_min"],
+            "compile_s": candidate.compile_s,
+            "baseline_compile_s": base.compile_s,
         }
     )
     return row
@@ -183,26 +204,33 @@ def write(rows, out: str, *, title: str, echo: bool = True) -> None:
         f" time per step over blocks of {meta['steps_per_timed_block']} step(s)."
         " Device time and kernels per step, and host dispatch per call, from a"
         f" profiler trace of {meta['steps_per_profiled_block']} steps (on XLA:CPU"
-        ' the "kernels" are the thunks on its thread pool).',
+        ' the "kernels" are the thunks on its thread pool), median and minimum of'
+        " 3 traced blocks interleaved with the baseline's; compile: `lower` +"
+        " `compile` of the step, seconds (the baseline's).",
         "",
         "| setting | variant | bytes | temp MB | time (median) | time (min) |"
-        " device time | kernels/step (base) | dispatch us (base) | compiles |"
+        " device time (median) | device time (min) | device us/step (base) |"
+        " kernels/step (base) | dispatch us (base) | compile s (base) | compiles |"
         " host transfer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["error"]:
             lines.append(
                 f"| {row['setting']} | {row['variant']} | failed: {row['error']}"
-                " | | | | | | | | |"
+                " | | | | | | | | | | | |"
             )
             continue
         lines.append(
             f"| {row['setting']} | {row['variant']} | {row['bytes_ratio']:.3f}x |"
             f" {row['temp_bytes'] / 1e6:.1f} | {row['time_ratio']:.2f}x |"
             f" {row['min_time_ratio']:.2f}x | {row['device_time_ratio']:.2f}x |"
+            f" {row['device_time_min_ratio']:.2f}x |"
+            f" {row['kernel_us_per_step']:.0f}"
+            f" ({row['baseline_kernel_us_per_step']:.0f}) |"
             f" {row['kernels_per_step']:.0f} ({row['baseline_kernels_per_step']:.0f})"
             f" | {_us(row['dispatch_us'])} ({_us(row['baseline_dispatch_us'])}) |"
+            f" {row['compile_s']:.2f} ({row['baseline_compile_s']:.2f}) |"
             f" {row['compilations']} | {'yes' if row['host_transfer'] else 'no'} |"
         )
     table = "\n".join(lines) + "\n"

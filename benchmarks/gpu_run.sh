@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One run on a GPU machine: the optimizer step, the train step and the language
+# model, smallest first, each under its own time limit so that one overrun keeps
+# the others. Results and the log go to $OUT (default benchmarks/results/gpu).
+#
+#   bash benchmarks/gpu_run.sh                 # on the GPU
+#   SIZES=1M STEPS=3 LM_STEPS=20 QUICK=1 bash benchmarks/gpu_run.sh   # a CPU smoke run
+#
+# Peers the machine lacks (Keras 3, mpx) come as wheels in .whl/, if present.
+set -u
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+SIZES=${SIZES:-10M,50M}
+STEPS=${STEPS:-20}
+LM_STEPS=${LM_STEPS:-500}
+device=$($PY -c "import jax; print(jax.devices()[0].device_kind.split()[-1].lower() if jax.default_backend() == 'gpu' else 'cpu')")
+echo "device: $device"
+
+# A smoke test first: if lossscale breaks on this JAX, say so at once.
+timeout 120 $PY - <<'EOF'
+import jax, jax.numpy as jnp, optax, lossscale, lossscale.flax
+print("jax", jax.__version__, "optax", optax.__version__, jax.devices())
+params = {"a": jnp.ones((4, 3)), "b": jnp.ones(5)}
+tx = optax.adam(1e-3)
+grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0**15, jnp.float16), params)
+step = jax.jit(lambda p, o, s, g: lossscale.apply_gradients(
+    tx, grads=g, params=p, opt_state=o, loss_scale=s))
+p, o, s = step(params, tx.init(params), lossscale.DynamicLossScale(), grads)
+bad = jax.tree.map(lambda g: g.at[0].set(jnp.inf), grads)
+p2, o2, s2 = step(p, o, s, bad)
+print("apply_gradients ok:", jax.tree.map(lambda x, y: bool((x == y).all()), p, p2), s2)
+wrapped = lossscale.wrap(tx)
+updates, state = jax.jit(wrapped.update)(grads, wrapped.init(params), params)
+print("wrap ok")
+EOF
+
+run() {  # run LIMIT NAME COMMAND...: one stage, its output in the log
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name ($(date +%T))"
+    timeout "$limit" "$@"
+    echo "== $name: exit $? ($(date +%T))"
+    # What came back so far, in one file (a device returns few files).
+    if [ -n "${PACK:-}" ]; then tar czf "$PACK" -C "$OUT" .; fi
+}
+
+run "${OPT_LIMIT:-190}" optimizer_step $PY benchmarks/optimizer_step.py \
+    --sizes "$SIZES" --steps "$STEPS" \
+    --variants "wrap(tx), dynamic,apply_gradients (one call),TrainState,apply_if_finite,Flax,Keras,mpx" \
+    --out "$OUT/optimizer_step_$device"
+run "${TRAIN_LIMIT:-60}" train_step $PY benchmarks/train_step.py \
+    --models "${TRAIN_MODELS:-mlp-large}" --steps 10 \
+    --variants "wrap,apply_gradients,TrainState,Flax,Keras" \
+    --out "$OUT/train_step_large_$device"
+run "${LM_LIMIT:-190}" language_model $PY benchmarks/language_model.py \
+    --width "${LM_WIDTH:-512}" --layers "${LM_LAYERS:-8}" --heads 8 \
+    --context 256 --batch "${LM_BATCH:-128}" --learning-rate 1e-3 \
+    --steps "$LM_STEPS" --seeds 0 --eval-batches 16 ${QUICK:+--quick} \
+    --runs "float32,bfloat16,float16, no loss scaling,float16, dynamic loss scaling" \
+    --out "$OUT/language_model_$device"
+ls -la "$OUT"
