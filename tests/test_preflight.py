@@ -322,6 +322,48 @@ def test_optimizer_underflow_is_adams_eps_with_float16_parameters():
     assert np.float16(1e-8) == 0
 
 
+def half_params_problem():
+    """The guide's program: float16 parameters, float16 compute."""
+
+    def loss_fn(params, x, y):
+        pred = x.astype(F16) @ params["w"] + params["b"]
+        return jnp.mean((pred.astype(F32) - y) ** 2)
+
+    params = {"w": jnp.full((16, 1), 0.25, F16), "b": jnp.zeros(1, F16)}
+    x = jax.random.normal(jax.random.key(1), (1024, 16))
+    y = jax.random.normal(jax.random.key(2), (1024, 1))
+    return loss_fn, params, x, y
+
+
+def broken_in_float16_only(tx, params, grads):
+    """Whether optax's update is not finite from a float16 state, and is from float32.
+
+    Each state from `tx.init` of the parameters in that dtype, as `preflight`'s.
+    """
+    broken = []
+    for dtype in (F16, F32):
+        wide = jax.tree.map(lambda p, d=dtype: p.astype(d), params)
+        g = jax.tree.map(lambda g, d=dtype: g.astype(d), grads)
+        update = jax.jit(tx.update)(g, tx.init(wide), wide)[0]
+        leaves = [np.asarray(u, np.float32) for u in jax.tree.leaves(update)]
+        broken.append(not all(np.isfinite(u).all() for u in leaves))
+    return broken == [True, False]
+
+
+def test_optimizer_underflow_is_an_eps_held_in_a_float16_optimizer_state():
+    loss_fn, params, x, y = half_params_problem()
+    # `inject_hyperparams` keeps `eps` in the state, in the parameters' dtype.
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    tx = lossscale.wrap(adam, "dynamic")
+    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    assert report.codes == {"optimizer-underflow"}, str(report)
+    assert "gradients of zero" in report.findings[0].message
+    # The reference: the state holds eps as float16 0, so optax's update of a
+    # zero gradient is NaN; from a float32 state, it is zero.
+    assert adam.init(params).hyperparams["eps"] == 0
+    assert broken_in_float16_only(adam, params, jax.tree.map(jnp.zeros_like, params))
+
+
 def test_update_underflow_is_adam_on_bfloat16_parameters():
     model = DigitsMLP(dtype=BF16, param_dtype=BF16)
     loss_fn, params, x, y = digits_problem(model)

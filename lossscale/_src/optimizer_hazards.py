@@ -43,6 +43,10 @@ def check(
     state = _unscaled(optimizer.init(params))
     if not any(_half(leaf) for leaf in jax.tree.leaves((params, state))):
         return []  # float32 throughout: nothing rounds differently
+    # The reference starts from its own float32 state: a constant that `init`
+    # stores in the parameters' dtype (`inject_hyperparams`' `eps`) is rounded
+    # there already, and a cast back would keep the rounded value.
+    wide_state = _unscaled(optimizer.init(_float32(params)))
     findings = []
     probe = problem.masked_params(
         [np.asarray(g).astype(d) for g, d in zip(grads, dtypes, strict=True)]
@@ -53,7 +57,7 @@ def check(
     wide = jax.jit(lambda g, s, p: optimizer.update(*_float32((g, s, p)))[0])
     for name, g in (("the probe's gradients", probe), ("gradients of zero", zeros)):
         updates = flatten_with_paths(jax.device_get(update(g, state, params)))[1]
-        reference = flatten_with_paths(jax.device_get(wide(g, state, params)))[1]
+        reference = flatten_with_paths(jax.device_get(wide(g, wide_state, params)))[1]
         if name == "the probe's gradients":
             findings += _rounded_away(problem, updates)
         if broken is None:
