@@ -364,6 +364,21 @@ def test_optimizer_underflow_is_an_eps_held_in_a_float16_optimizer_state():
     assert broken_in_float16_only(adam, params, jax.tree.map(jnp.zeros_like, params))
 
 
+def test_a_typed_prng_key_in_the_optimizer_state_is_held_fixed():
+    loss_fn, params, x, y = half_params_problem()
+    # Gradient noise, its key a `jax.random.key`, so small that Adam's float16
+    # second moment of it is 0.
+    noisy = optax.chain(
+        optax.add_noise(1e-8, 0.55, jax.random.key(0)), optax.adam(1e-3)
+    )
+    report = lossscale.preflight(
+        loss_fn, params, x, y, optimizer=lossscale.wrap(noisy, "dynamic")
+    )
+    assert report.codes == {"optimizer-underflow"}, str(report)
+    assert "comes from `div` in `scale_by_adam" in report.findings[0].message
+    assert broken_in_float16_only(noisy, params, jax.tree.map(jnp.zeros_like, params))
+
+
 def test_update_underflow_is_adam_on_bfloat16_parameters():
     model = DigitsMLP(dtype=BF16, param_dtype=BF16)
     loss_fn, params, x, y = digits_problem(model)
