@@ -205,6 +205,48 @@ def test_forward_overflow_is_an_exp_that_overflows_float16_with_its_line():
     assert not np.isfinite(float(jax.jit(loss_fn)(params, tokens, targets)))
 
 
+def masked_attention_loss(params, x, y):
+    """Causal float16 attention, its mask `-inf`, as many models write it."""
+    h = x.astype(F16)
+    q, k, v = (h @ params[name].astype(F16) for name in "qkv")
+    scores = q @ k.swapaxes(-1, -2) / F16(4.0)  # sqrt(head dim)
+    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.mean(((weights @ v).astype(F32) - y) ** 2)
+
+
+def test_an_inf_causal_mask_that_the_softmax_makes_zero_is_not_blamed():
+    *keys, x_key, y_key = jax.random.split(jax.random.key(0), 5)
+    params = {
+        n: jax.random.normal(k, (16, 16)) / 4 for n, k in zip("qkv", keys, strict=True)
+    }
+    x = jax.random.normal(x_key, (4, 32, 16))
+    y = jax.random.normal(y_key, (4, 32, 16))
+    report = lossscale.preflight(masked_attention_loss, params, x, y)
+    assert serious(report) == [], str(report)
+    # The reference: the loss and the gradients at the starting scale are finite.
+    assert np.isfinite(float(masked_attention_loss(params, x, y)))
+    assert finite_at(masked_attention_loss, params, x, y)(2.0**15)
+
+
+@pytest.mark.parametrize("where", ["x", "params['Dense_1']['kernel']"])
+def test_a_non_finite_input_is_named_not_blamed_on_the_op_reading_it(where):
+    loss_fn, params, x, y = digits_problem()
+    if where == "x":
+        x = x.at[5, 3].set(np.nan)
+    else:
+        kernel = params["Dense_1"]["kernel"]
+        params["Dense_1"]["kernel"] = kernel.at[0, 0].set(np.inf)
+    report = lossscale.preflight(loss_fn, params, x, y)
+    assert report.codes == {"forward-overflow"}, str(report)
+    (finding,) = report.findings
+    assert finding.where == where, str(report)
+    assert f"The input is not finite: `{where}`" in finding.message
+    assert "float32" not in finding.fix and "Clean the data" in finding.fix
+    # The reference: the loss, computed as the program says, is not finite.
+    assert not np.isfinite(float(jax.jit(loss_fn)(params, x, y)))
+
+
 class Standardized(nn.Module):
     """Raw digits pixels (0-16), centred with their batch mean, summed in float16."""
 
