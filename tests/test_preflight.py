@@ -334,6 +334,38 @@ def test_gradient_underflow_is_a_deep_sigmoid_mlp_at_a_low_static_scale():
     assert f"scale=2.0**{round(np.log2(report.scale))}" in finding.fix
 
 
+def test_gradient_underflow_says_how_many_values_its_scale_still_loses():
+    def loss_fn(params, x, y):  # an auxiliary loss, weighted 1e-10
+        pred = x.astype(F16) * params["w"].astype(F16)
+        return 1e-10 * jnp.mean((pred.astype(F32) - y) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(keys[0], (256, 16)) / 4}
+    x, y = (jax.random.normal(k, (256, 16)) for k in keys[1:])
+    report = lossscale.preflight(loss_fn, params, x, y, loss_scale=4.0)
+    assert report.codes == {"gradient-underflow"}, str(report)
+    (finding,) = report.findings
+
+    # The reference: the gradients, each float16 value rounded as the program
+    # says (as the probe compiles it), at `report.scale` and at twice it, the
+    # largest scale probed.
+    def grads(scale):
+        grad = jax.jit(jax.grad(lambda p, s: loss_fn(p, x, y) * s))
+        compiled = grad.lower(params, F32(scale)).compile(
+            compiler_options={"xla_allow_excess_precision": False}
+        )
+        return np.asarray(compiled(params, F32(scale))["w"])
+
+    at_scale, kept = grads(report.scale), grads(2 * report.scale) != 0
+    still = np.sum(kept & (at_scale == 0)) / np.sum(kept)
+    assert still > 0.01, still  # 2**24, the largest scale, does not keep them all
+    assert f"There {still:.1%} of the nonzero values are still zero" in finding.fix, (
+        still,
+        finding.fix,
+    )
+    assert "which keeps them" not in finding.fix
+
+
 @pytest.mark.slow
 def test_unscaled_half_gradients_is_the_deep_mlp_without_loss_scaling():
     loss_fn, params, *args = demo_problem()
