@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import lossscale
+import lossscale.flax
 from lossscale import demo
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
@@ -547,6 +548,94 @@ def test_preflight_step_finds_the_unscaled_loss_and_the_clip_outside_the_wrap():
             (finding,) = report.findings
             assert finding.where.startswith("[0]"), finding.where
             assert "2x at the lower scale" in finding.message, finding.message
+
+
+def small_steps():
+    """The guide's small program, stepped through each API, right and wrong.
+
+    `(api, mistake) -> (step, state)`: the mistake is None, "unscaled loss" (the
+    gradients of the loss, not of the scaled loss) or "clip before" (a clip of
+    the scaled gradients, before the unscaling).
+    """
+    params, sgd = jnp.full((4, 1), 0.5), optax.sgd(0.1)
+
+    def loss_fn(w, x):
+        return jnp.mean((x.astype(F16) @ w.astype(F16)) ** 2)
+
+    def gradients(scale_from, params, x, mistake):
+        if mistake == "unscaled loss":
+            return jax.grad(loss_fn)(params, x)
+        grads = lossscale.value_and_grad(loss_fn)(scale_from, params, x)[1]
+        if mistake == "clip before":
+            return optax.clip_by_global_norm(1e-3).update(grads, None)[0]
+        return grads
+
+    def wrap_step(mistake):
+        tx = lossscale.wrap(sgd)
+        clip_outside = optax.chain(optax.clip_by_global_norm(1e-3), tx)
+        chosen = clip_outside if mistake == "clip before" else tx
+
+        def step(state, x):
+            params, opt_state = state
+            unscaled = mistake == "unscaled loss"  # the clip is `clip_outside`
+            grads = gradients(
+                opt_state, params, x, "unscaled loss" if unscaled else None
+            )
+            updates, opt_state = chosen.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step, (params, chosen.init(params))
+
+    def functional_step(mistake):
+        def step(state, x):
+            params, opt_state, loss_scale = state
+            grads = gradients(loss_scale, params, x, mistake)
+            return lossscale.apply_gradients(
+                sgd, grads=grads, params=params, opt_state=opt_state,
+                loss_scale=loss_scale,
+            )  # fmt: skip
+
+        return step, (params, sgd.init(params), lossscale.StaticLossScale(2.0**10))
+
+    def train_state_step(mistake):
+        def step(state, x):
+            grads = gradients(state, state.params, x, mistake)
+            return state.apply_gradients(grads=grads)
+
+        return step, lossscale.flax.TrainState.create(
+            apply_fn=None, params=params, tx=sgd
+        )
+
+    return {
+        (api, mistake): make(mistake)
+        for api, make in (
+            ("wrap", wrap_step),
+            ("apply_gradients", functional_step),
+            ("TrainState", train_state_step),
+        )
+        for mistake in (None, "unscaled loss", "clip before")
+    }
+
+
+SMALL_STEPS = small_steps()
+X = jnp.ones((8, 4))
+
+
+@pytest.mark.parametrize("api", ["wrap", "apply_gradients", "TrainState"])
+def test_preflight_step_runs_a_step_that_donates_its_state_on_copies(api):
+    for mistake in (None, "unscaled loss"):
+        step, state = SMALL_STEPS[api, mistake]
+        before = jax.tree.map(np.array, state)
+        donating = lossscale.preflight_step(jax.jit(step, donate_argnums=0), state, X)
+        # The reference: the same step, without donation.
+        plain = lossscale.preflight_step(jax.jit(step), state, X)
+        assert donating == plain, f"{donating}\n{plain}"
+        # The caller's arrays are alive, and as they were.
+        leaves = jax.tree.leaves(state)
+        assert not any(
+            leaf.is_deleted() for leaf in leaves if hasattr(leaf, "is_deleted")
+        )
+        assert helpers.tree_equal(jax.tree.map(np.array, state), before)
 
 
 # -- models, arguments, refusals, the table ---------------------------------------

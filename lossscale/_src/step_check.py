@@ -79,7 +79,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     high = _settable(current)
     for _ in range(_TRIES):
         low = high / 2
-        results = [_run(step, state, args, scale) for scale in (low, high)]
+        results = [_run(step, state, args, _at(current, s)) for s in (low, high)]
         if not any(skipped for _, skipped in results):
             break
         high /= 2**4
@@ -148,25 +148,28 @@ def _settable(state: LossScale) -> float:
     )
 
 
-def _run(step, state, args, scale) -> tuple[dict[str, Any], bool]:
-    """The step's new floating-point leaves at `scale`, and whether it skipped."""
+def _at(state: LossScale, scale: float) -> LossScale:
+    """`state` at `scale` (a static scale is a setting: a new state)."""
+    if isinstance(state, StaticLossScale):
+        return StaticLossScale(scale)
+    return state.replace(scale=jnp.asarray(scale, jnp.float32))
 
-    def at_scale(node):
-        if isinstance(node, StaticLossScale):
-            return StaticLossScale(scale)
-        return node.replace(scale=jnp.asarray(scale, jnp.float32))
 
-    # A copy of every array: the step may donate its inputs.
-    fresh = jax.tree.map(
-        lambda x: (
-            at_scale(x)
-            if isinstance(x, LossScale)
-            else (jnp.array(x, copy=True) if isinstance(x, jax.Array) else x)
-        ),
+def _run(step, state, args, loss_scale) -> tuple[dict[str, Any], bool]:
+    """The step's new floating-point leaves with `loss_scale`; whether it skipped."""
+    given = jax.tree.map(
+        lambda x: loss_scale if isinstance(x, LossScale) else x,
         state,
         is_leaf=lambda x: isinstance(x, LossScale),
     )
-    out = step(fresh, *args)
+    # Copies of every array: the step may donate its arguments, and these are
+    # the caller's (the loss-scale state's counters too).
+    given, args = jax.tree.map(
+        lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
+        (given, args),
+    )
+    before = int(loss_scale.skipped_steps)
+    out = step(given, *args)
     paths = set(_float_leaves(state))
     if set(_float_leaves(out)) != paths and isinstance(out, tuple | list) and out:
         out = out[0]
@@ -176,7 +179,6 @@ def _run(step, state, args, scale) -> tuple[dict[str, Any], bool]:
             " loss-scale state updated), or a tuple whose first element is; it"
             f" returned a {type(out).__name__} with other floating-point leaves."
         )
-    before = int(lookup.find(fresh, "state").skipped_steps)
     after = int(lookup.find(out, "step(state, ...)").skipped_steps)
     return _float_leaves(out), after > before
 
