@@ -548,6 +548,11 @@ def test_preflight_step_finds_the_unscaled_loss_and_the_clip_outside_the_wrap():
             (finding,) = report.findings
             assert finding.where.startswith("[0]"), finding.where
             assert "2x at the lower scale" in finding.message, finding.message
+            which = {
+                "unscaled loss": "Its gradients are not those of the scaled loss",
+                "clip outside": "a transformation reads them before they are unscaled",
+            }
+            assert which[name] in finding.message, finding.message
 
 
 def small_steps():
@@ -619,6 +624,36 @@ def small_steps():
 
 SMALL_STEPS = small_steps()
 X = jnp.ones((8, 4))
+# What each fix says: the scaled loss's gradients, by the API's own argument; a
+# clip after the unscaling, by the API's own setting.
+FIXES = {
+    ("wrap", "unscaled loss"): "lossscale.value_and_grad(loss_fn)(opt_state, params",
+    ("wrap", "clip before"): "`lossscale.wrap(inner, clip_norm=1.0)`",
+    ("apply_gradients", "unscaled loss"): "value_and_grad(loss_fn)(loss_scale, params",
+    ("apply_gradients", "clip before"): "`lossscale.apply_gradients(..., clip_norm",
+    ("TrainState", "unscaled loss"): "value_and_grad(loss_fn)(state, state.params",
+    ("TrainState", "clip before"): "`TrainState.create(..., clip_norm=1.0)`",
+}
+
+
+@pytest.mark.parametrize("api, mistake", list(SMALL_STEPS), ids=str)
+def test_preflight_step_says_which_mistake_and_the_fix_for_the_api_used(api, mistake):
+    step, state = SMALL_STEPS[api, mistake]
+    report = lossscale.preflight_step(jax.jit(step), state, X)
+    if mistake is None:
+        assert report.codes == set(), str(report)
+        return
+    (finding,) = report.findings
+    assert finding.code == "scale-dependent-step", str(report)
+    said = {
+        "unscaled loss": "Its gradients are not those of the scaled loss",
+        "clip before": "a transformation reads them before they are unscaled",
+    }
+    assert said[mistake] in finding.message, finding.message
+    other = said["clip before" if mistake == "unscaled loss" else "unscaled loss"]
+    assert other not in finding.message, finding.message
+    assert FIXES[api, mistake] in finding.fix, finding.fix
+    assert [k for k, text in FIXES.items() if text in finding.fix] == [(api, mistake)]
 
 
 @pytest.mark.parametrize("api", ["wrap", "apply_gradients", "TrainState"])

@@ -11,6 +11,7 @@ much at twice the scale, which Adam's normalisation hides and SGD does not.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import kind_fields
+from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src.findings import Finding
 from lossscale._src.findings import PreflightReport
 from lossscale._src.findings import power
 from lossscale._src.kind import LossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.wrapper import WrapState
 
 # An update that differs by more than 2**-8 of its norm between the two scales
 # differs by more than rounding: scaling by a power of two is exact, and the
@@ -112,26 +115,62 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
         for path, (gap, ratio) in list(differ.items())[:3]
     )
     more = f"; and {len(differ) - 3} more leaves" if len(differ) > 3 else ""
+    # At a scale of inf the gradients of a scaled loss are not finite: a step
+    # that applies its update there differentiates the unscaled loss.
+    infinite = kinds.DynamicLossScale().replace(scale=float("inf"))
+    unscaled = not _run(step, state, args, infinite)[1]
     finding = Finding(
         code="scale-dependent-step",
         severity="error",
         message=(
             f"The step's update changes with the loss scale: at {power(low)} and"
             f" {power(high)} it differs in {len(differ)} of {len(before)} leaves:"
-            f" {listed}{more}. Correct loss scaling is invariant to the scale. With"
-            " Adam the step may still train (its normalisation hides a factor);"
-            " with SGD it stalls, and `metrics` look healthy."
+            f" {listed}{more}. "
+            + (
+                "Its gradients are not those of the scaled loss (they stay finite"
+                " at a scale of inf), and the unscaling divides them by the scale."
+                if unscaled
+                else "Its gradients are those of the scaled loss (not finite at a"
+                " scale of inf), but a transformation reads them before they are"
+                " unscaled (e.g. a clip)."
+            )
+            + " With Adam the step may still train (its normalisation hides a"
+            " factor); with SGD it stalls, and `metrics` look healthy."
         ),
         where=next(iter(differ)),
-        fix=(
-            "Differentiate the scaled loss (`lossscale.value_and_grad`, or"
-            " `jax.grad` of `lossscale.scale_loss(loss, opt_state)`), and put"
-            " every transformation that reads the gradients inside the wrap:"
-            " `lossscale.wrap(optax.chain(optax.clip_by_global_norm(1.0), inner))`"
-            " or `wrap(inner, clip_norm=1.0)`, not `chain(clip, wrap(inner))`."
-        ),
+        fix=_fix(state, unscaled),
     )
     return PreflightReport((finding,), None, notes)
+
+
+def _fix(state: Any, unscaled: bool) -> str:
+    """The fix of either mistake, for the API that holds the loss-scale state."""
+    # A `lossscale.flax.TrainState` exists only once its module is imported.
+    module = sys.modules.get("lossscale._src.flax_training")
+    train_state = getattr(module, "TrainState", WrapState)
+    nodes = jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, WrapState | train_state)
+    )
+    chain = "`optax.chain(optax.clip_by_global_norm(1.0), inner)`"
+    untouched = f"or a `tx` that clips ({chain}); pass it the gradients untransformed"
+    if any(isinstance(x, WrapState) for x in nodes):
+        scale_from = "opt_state, params"
+        clip = (
+            f"`lossscale.wrap({chain[1:-1]})` or `lossscale.wrap(inner,"
+            " clip_norm=1.0)`, not `optax.chain(clip, lossscale.wrap(inner))`"
+        )
+    elif any(isinstance(x, train_state) for x in nodes):
+        scale_from = "state, state.params"
+        clip = f"`TrainState.create(..., clip_norm=1.0)`, {untouched}"
+    else:
+        scale_from = "loss_scale, params"
+        clip = f"`lossscale.apply_gradients(..., clip_norm=1.0)`, {untouched}"
+    if unscaled:
+        return (
+            "Differentiate the scaled loss: `loss, grads ="
+            f" lossscale.value_and_grad(loss_fn)({scale_from}, ...)`."
+        )
+    return f"Transform the gradients after the unscaling: {clip}."
 
 
 def _settable(state: LossScale) -> float:
