@@ -90,7 +90,7 @@ class Probe:
         )
         marked = [False] * len(self._args) + [True]
         # The unscaled loss is the second output: its equations are the forward's.
-        forward = needed(closed.jaxpr, [False, True] + [False] * len(problem.diff))
+        forward = needed(closed.jaxpr, [False, True] + [False] * len(problem.diff))[0]
         self.ops: list[Op] = []
         self.sites: list[Any] = []  # (equation, calls) of each backward value
         self.dtypes: set[str] = set()  # of the floating values computed from the scale
@@ -180,11 +180,12 @@ class Probe:
         return self.evaluations[scale]
 
 
-def needed(jaxpr: Any, outputs: list[bool]) -> set[int]:
+def needed(jaxpr: Any, outputs: list[bool]) -> tuple[set[int], list[bool]]:
     """The ids of the equations that the flagged outputs of `jaxpr` depend on.
 
     Inside the calls that `interpret.walk` enters, per output; other equations
     whole. An equation of a sub-jaxpr called twice counts if either call needs it.
+    Also returns which of `jaxpr`'s inputs they read.
     """
     found: set[int] = set()
     live = _variables(v for v, f in zip(jaxpr.outvars, outputs, strict=True) if f)
@@ -194,23 +195,13 @@ def needed(jaxpr: Any, outputs: list[bool]) -> set[int]:
             continue
         found.add(id(eqn))
         sub = interpret._sub_jaxpr(eqn, len(eqn.invars))
-        if sub is None:
-            inputs = eqn.invars
-        else:
-            inner = needed(sub.jaxpr, wanted)
+        inputs = eqn.invars
+        if sub is not None:
+            inner, used = needed(sub.jaxpr, wanted)
             found |= inner
-            used = _inputs_used(sub.jaxpr, wanted)
             inputs = [v for v, use in zip(eqn.invars, used, strict=True) if use]
         live |= _variables(inputs)
-    return found
-
-
-def _inputs_used(jaxpr: Any, outputs: list[bool]) -> list[bool]:
-    live = _variables(v for v, f in zip(jaxpr.outvars, outputs, strict=True) if f)
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars):
-            live |= _variables(eqn.invars)
-    return [v in live for v in jaxpr.invars]
+    return found, [v in live for v in jaxpr.invars]
 
 
 def _variables(atoms: Any) -> set[Any]:
