@@ -230,6 +230,22 @@ def test_an_inf_causal_mask_that_the_softmax_makes_zero_is_not_blamed():
     assert finite_at(masked_attention_loss, params, x, y)(2.0**15)
 
 
+def test_an_overflow_that_the_loss_masks_and_its_gradient_does_not_see_is_not_blamed():
+    def loss_fn(params, x):
+        h = x.astype(F16) * params["w"].astype(F16)
+        scores = h * F16(1e4)  # inf at x = 20, where the mask drops it
+        return jnp.mean(jnp.where(x < 5, scores, 0).astype(F32))
+
+    params, x = {"w": jnp.ones(8)}, jnp.arange(8.0).at[7].set(20.0)
+    report = lossscale.preflight(loss_fn, params, x, loss_scale=1.0)
+    assert serious(report) == [], str(report)
+    # The reference: the float16 product overflows, yet the loss and the
+    # gradients at the starting scale are finite.
+    assert not np.isfinite(float(jnp.float16(20) * jnp.float16(1e4)))
+    assert np.isfinite(float(loss_fn(params, x)))
+    assert finite_at(loss_fn, params, x)(1.0)
+
+
 @pytest.mark.parametrize("where", ["x", "params['Dense_1']['kernel']"])
 def test_a_non_finite_input_is_named_not_blamed_on_the_op_reading_it(where):
     loss_fn, params, x, y = digits_problem()

@@ -156,7 +156,7 @@ def _equations(jaxpr: Any, calls: tuple[Any, ...]):
 def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[Finding]:
     """Where the loss's inf or NaN comes from; values near float16's largest."""
     peaks, bads = evaluation.peaks, evaluation.bad
-    origins = _origins(probe, bads)
+    origins = _origins(probe, evaluation)
     overflows: dict[str | None, list[str]] = {}
     close: dict[str | None, list[str]] = {}
     for op in probe.ops:
@@ -234,14 +234,17 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
     return findings
 
 
-def _origins(probe: Probe, bad: np.ndarray) -> set[int]:
+def _origins(probe: Probe, evaluation: Evaluation) -> set[int]:
     """The values (inputs, or ops' outputs) the loss's inf or NaN comes from.
 
-    As `interpret.run` blames: followed back from the loss through values that
-    are not finite, to an input, or to an op whose inputs are all finite. So an
-    inf that does not reach the loss, such as a `-inf` attention mask that the
-    softmax turns into zeros, is not blamed.
+    As `interpret.run` blames: a forward overflow is a loss that is not finite,
+    followed back through values that are not, to an input, or to an op whose
+    inputs are all finite. So an inf that the loss does not keep, such as a
+    `-inf` attention mask that the softmax turns into zeros, is not blamed.
     """
+    if np.isfinite(evaluation.loss):
+        return set()
+    bad = evaluation.bad
     made_by = {i: op for op in probe.ops for i in op.outputs}
     todo, reached = [i for i in probe.loss_upstream if bad[i]], set()
     while todo:
