@@ -393,6 +393,22 @@ def test_an_overflow_from_finite_inputs_names_no_input():
     assert report.nonfinite_input is None and report.op == "exp"
 
 
+def test_a_typed_prng_key_among_the_arguments_is_held_fixed():
+    def loss_fn(params, x, y, key):  # dropout, with a `jax.random.key`
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return two_leaf_loss(params, jnp.where(keep, x, 0.0), y)
+
+    key, x = jax.random.key(0), jnp.full(3, 20.0)  # exp(20) overflows float16
+    report = lossscale.locate_overflow(
+        loss_fn, PARAMS, x, Y_FINE, key, loss_scale=SCALE
+    )
+    # The reference: the dropout keeps some of x, and jax.grad's gradients.
+    assert jax.random.bernoulli(key, 0.5, x.shape).any()
+    assert report.leaves == reference_bad_leaves(loss_fn, PARAMS, x, Y_FINE, key)
+    assert (report.kind, report.op) == ("forward", "exp"), str(report)
+    assert report.source == line_of("exp-line") and report.nonfinite_input is None
+
+
 def test_inside_jit_it_says_to_call_it_on_the_host():
     def step(x):
         return lossscale.locate_overflow(

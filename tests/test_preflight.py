@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import lossscale
+import lossscale.flax
 from lossscale import demo
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
@@ -205,6 +206,64 @@ def test_forward_overflow_is_an_exp_that_overflows_float16_with_its_line():
     assert not np.isfinite(float(jax.jit(loss_fn)(params, tokens, targets)))
 
 
+def masked_attention_loss(params, x, y):
+    """Causal float16 attention, its mask `-inf`, as many models write it."""
+    h = x.astype(F16)
+    q, k, v = (h @ params[name].astype(F16) for name in "qkv")
+    scores = q @ k.swapaxes(-1, -2) / F16(4.0)  # sqrt(head dim)
+    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.mean(((weights @ v).astype(F32) - y) ** 2)
+
+
+def test_an_inf_causal_mask_that_the_softmax_makes_zero_is_not_blamed():
+    *keys, x_key, y_key = jax.random.split(jax.random.key(0), 5)
+    params = {
+        n: jax.random.normal(k, (16, 16)) / 4 for n, k in zip("qkv", keys, strict=True)
+    }
+    x = jax.random.normal(x_key, (4, 32, 16))
+    y = jax.random.normal(y_key, (4, 32, 16))
+    report = lossscale.preflight(masked_attention_loss, params, x, y)
+    assert serious(report) == [], str(report)
+    # The reference: the loss and the gradients at the starting scale are finite.
+    assert np.isfinite(float(masked_attention_loss(params, x, y)))
+    assert finite_at(masked_attention_loss, params, x, y)(2.0**15)
+
+
+def test_an_overflow_that_the_loss_masks_and_its_gradient_does_not_see_is_not_blamed():
+    def loss_fn(params, x):
+        h = x.astype(F16) * params["w"].astype(F16)
+        scores = h * F16(1e4)  # inf at x = 20, where the mask drops it
+        return jnp.mean(jnp.where(x < 5, scores, 0).astype(F32))
+
+    params, x = {"w": jnp.ones(8)}, jnp.arange(8.0).at[7].set(20.0)
+    report = lossscale.preflight(loss_fn, params, x, loss_scale=1.0)
+    assert serious(report) == [], str(report)
+    # The reference: the float16 product overflows, yet the loss and the
+    # gradients at the starting scale are finite.
+    assert not np.isfinite(float(jnp.float16(20) * jnp.float16(1e4)))
+    assert np.isfinite(float(loss_fn(params, x)))
+    assert finite_at(loss_fn, params, x)(1.0)
+
+
+@pytest.mark.parametrize("where", ["x", "params['Dense_1']['kernel']"])
+def test_a_non_finite_input_is_named_not_blamed_on_the_op_reading_it(where):
+    loss_fn, params, x, y = digits_problem()
+    if where == "x":
+        x = x.at[5, 3].set(np.nan)
+    else:
+        kernel = params["Dense_1"]["kernel"]
+        params["Dense_1"]["kernel"] = kernel.at[0, 0].set(np.inf)
+    report = lossscale.preflight(loss_fn, params, x, y)
+    assert report.codes == {"forward-overflow"}, str(report)
+    (finding,) = report.findings
+    assert finding.where == where, str(report)
+    assert f"The input is not finite: `{where}`" in finding.message
+    assert "float32" not in finding.fix and "Clean the data" in finding.fix
+    # The reference: the loss, computed as the program says, is not finite.
+    assert not np.isfinite(float(jax.jit(loss_fn)(params, x, y)))
+
+
 class Standardized(nn.Module):
     """Raw digits pixels (0-16), centred with their batch mean, summed in float16."""
 
@@ -292,6 +351,38 @@ def test_gradient_underflow_is_a_deep_sigmoid_mlp_at_a_low_static_scale():
     assert f"scale=2.0**{round(np.log2(report.scale))}" in finding.fix
 
 
+def test_gradient_underflow_says_how_many_values_its_scale_still_loses():
+    def loss_fn(params, x, y):  # an auxiliary loss, weighted 1e-10
+        pred = x.astype(F16) * params["w"].astype(F16)
+        return 1e-10 * jnp.mean((pred.astype(F32) - y) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(keys[0], (256, 16)) / 4}
+    x, y = (jax.random.normal(k, (256, 16)) for k in keys[1:])
+    report = lossscale.preflight(loss_fn, params, x, y, loss_scale=4.0)
+    assert report.codes == {"gradient-underflow"}, str(report)
+    (finding,) = report.findings
+
+    # The reference: the gradients, each float16 value rounded as the program
+    # says (as the probe compiles it), at `report.scale` and at twice it, the
+    # largest scale probed.
+    def grads(scale):
+        grad = jax.jit(jax.grad(lambda p, s: loss_fn(p, x, y) * s))
+        compiled = grad.lower(params, F32(scale)).compile(
+            compiler_options={"xla_allow_excess_precision": False}
+        )
+        return np.asarray(compiled(params, F32(scale))["w"])
+
+    at_scale, kept = grads(report.scale), grads(2 * report.scale) != 0
+    still = np.sum(kept & (at_scale == 0)) / np.sum(kept)
+    assert still > 0.01, still  # 2**24, the largest scale, does not keep them all
+    assert f"There {still:.1%} of the nonzero values are still zero" in finding.fix, (
+        still,
+        finding.fix,
+    )
+    assert "which keeps them" not in finding.fix
+
+
 @pytest.mark.slow
 def test_unscaled_half_gradients_is_the_deep_mlp_without_loss_scaling():
     loss_fn, params, *args = demo_problem()
@@ -320,6 +411,63 @@ def test_optimizer_underflow_is_adams_eps_with_float16_parameters():
     update, _ = jax.jit(adam.update)(jnp.zeros_like(leaf), adam.init(leaf), leaf)
     assert np.isnan(np.asarray(update, np.float32)).all(), update
     assert np.float16(1e-8) == 0
+
+
+def half_params_problem():
+    """The guide's program: float16 parameters, float16 compute."""
+
+    def loss_fn(params, x, y):
+        pred = x.astype(F16) @ params["w"] + params["b"]
+        return jnp.mean((pred.astype(F32) - y) ** 2)
+
+    params = {"w": jnp.full((16, 1), 0.25, F16), "b": jnp.zeros(1, F16)}
+    x = jax.random.normal(jax.random.key(1), (1024, 16))
+    y = jax.random.normal(jax.random.key(2), (1024, 1))
+    return loss_fn, params, x, y
+
+
+def broken_in_float16_only(tx, params, grads):
+    """Whether optax's update is not finite from a float16 state, and is from float32.
+
+    Each state from `tx.init` of the parameters in that dtype, as `preflight`'s.
+    """
+    broken = []
+    for dtype in (F16, F32):
+        wide = jax.tree.map(lambda p, d=dtype: p.astype(d), params)
+        g = jax.tree.map(lambda g, d=dtype: g.astype(d), grads)
+        update = jax.jit(tx.update)(g, tx.init(wide), wide)[0]
+        leaves = [np.asarray(u, np.float32) for u in jax.tree.leaves(update)]
+        broken.append(not all(np.isfinite(u).all() for u in leaves))
+    return broken == [True, False]
+
+
+def test_optimizer_underflow_is_an_eps_held_in_a_float16_optimizer_state():
+    loss_fn, params, x, y = half_params_problem()
+    # `inject_hyperparams` keeps `eps` in the state, in the parameters' dtype.
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    tx = lossscale.wrap(adam, "dynamic")
+    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    assert report.codes == {"optimizer-underflow"}, str(report)
+    assert "gradients of zero" in report.findings[0].message
+    # The reference: the state holds eps as float16 0, so optax's update of a
+    # zero gradient is NaN; from a float32 state, it is zero.
+    assert adam.init(params).hyperparams["eps"] == 0
+    assert broken_in_float16_only(adam, params, jax.tree.map(jnp.zeros_like, params))
+
+
+def test_a_typed_prng_key_in_the_optimizer_state_is_held_fixed():
+    loss_fn, params, x, y = half_params_problem()
+    # Gradient noise, its key a `jax.random.key`, so small that Adam's float16
+    # second moment of it is 0.
+    noisy = optax.chain(
+        optax.add_noise(1e-8, 0.55, jax.random.key(0)), optax.adam(1e-3)
+    )
+    report = lossscale.preflight(
+        loss_fn, params, x, y, optimizer=lossscale.wrap(noisy, "dynamic")
+    )
+    assert report.codes == {"optimizer-underflow"}, str(report)
+    assert "comes from `div` in `scale_by_adam" in report.findings[0].message
+    assert broken_in_float16_only(noisy, params, jax.tree.map(jnp.zeros_like, params))
 
 
 def test_update_underflow_is_adam_on_bfloat16_parameters():
@@ -416,6 +564,129 @@ def test_preflight_step_finds_the_unscaled_loss_and_the_clip_outside_the_wrap():
             (finding,) = report.findings
             assert finding.where.startswith("[0]"), finding.where
             assert "2x at the lower scale" in finding.message, finding.message
+            which = {
+                "unscaled loss": "Its gradients are not those of the scaled loss",
+                "clip outside": "a transformation reads them before they are unscaled",
+            }
+            assert which[name] in finding.message, finding.message
+
+
+def small_steps():
+    """The guide's small program, stepped through each API, right and wrong.
+
+    `(api, mistake) -> (step, state)`: the mistake is None, "unscaled loss" (the
+    gradients of the loss, not of the scaled loss) or "clip before" (a clip of
+    the scaled gradients, before the unscaling).
+    """
+    params, sgd = jnp.full((4, 1), 0.5), optax.sgd(0.1)
+
+    def loss_fn(w, x):
+        return jnp.mean((x.astype(F16) @ w.astype(F16)) ** 2)
+
+    def gradients(scale_from, params, x, mistake):
+        if mistake == "unscaled loss":
+            return jax.grad(loss_fn)(params, x)
+        grads = lossscale.value_and_grad(loss_fn)(scale_from, params, x)[1]
+        if mistake == "clip before":
+            return optax.clip_by_global_norm(1e-3).update(grads, None)[0]
+        return grads
+
+    def wrap_step(mistake):
+        tx = lossscale.wrap(sgd)
+        clip_outside = optax.chain(optax.clip_by_global_norm(1e-3), tx)
+        chosen = clip_outside if mistake == "clip before" else tx
+
+        def step(state, x):
+            params, opt_state = state
+            unscaled = mistake == "unscaled loss"  # the clip is `clip_outside`
+            grads = gradients(
+                opt_state, params, x, "unscaled loss" if unscaled else None
+            )
+            updates, opt_state = chosen.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step, (params, chosen.init(params))
+
+    def functional_step(mistake):
+        def step(state, x):
+            params, opt_state, loss_scale = state
+            grads = gradients(loss_scale, params, x, mistake)
+            return lossscale.apply_gradients(
+                sgd, grads=grads, params=params, opt_state=opt_state,
+                loss_scale=loss_scale,
+            )  # fmt: skip
+
+        return step, (params, sgd.init(params), lossscale.StaticLossScale(2.0**10))
+
+    def train_state_step(mistake):
+        def step(state, x):
+            grads = gradients(state, state.params, x, mistake)
+            return state.apply_gradients(grads=grads)
+
+        return step, lossscale.flax.TrainState.create(
+            apply_fn=None, params=params, tx=sgd
+        )
+
+    return {
+        (api, mistake): make(mistake)
+        for api, make in (
+            ("wrap", wrap_step),
+            ("apply_gradients", functional_step),
+            ("TrainState", train_state_step),
+        )
+        for mistake in (None, "unscaled loss", "clip before")
+    }
+
+
+SMALL_STEPS = small_steps()
+X = jnp.ones((8, 4))
+# What each fix says: the scaled loss's gradients, by the API's own argument; a
+# clip after the unscaling, by the API's own setting.
+FIXES = {
+    ("wrap", "unscaled loss"): "lossscale.value_and_grad(loss_fn)(opt_state, params",
+    ("wrap", "clip before"): "`lossscale.wrap(inner, clip_norm=1.0)`",
+    ("apply_gradients", "unscaled loss"): "value_and_grad(loss_fn)(loss_scale, params",
+    ("apply_gradients", "clip before"): "`lossscale.apply_gradients(..., clip_norm",
+    ("TrainState", "unscaled loss"): "value_and_grad(loss_fn)(state, state.params",
+    ("TrainState", "clip before"): "`TrainState.create(..., clip_norm=1.0)`",
+}
+
+
+@pytest.mark.parametrize("api, mistake", list(SMALL_STEPS), ids=str)
+def test_preflight_step_says_which_mistake_and_the_fix_for_the_api_used(api, mistake):
+    step, state = SMALL_STEPS[api, mistake]
+    report = lossscale.preflight_step(jax.jit(step), state, X)
+    if mistake is None:
+        assert report.codes == set(), str(report)
+        return
+    (finding,) = report.findings
+    assert finding.code == "scale-dependent-step", str(report)
+    said = {
+        "unscaled loss": "Its gradients are not those of the scaled loss",
+        "clip before": "a transformation reads them before they are unscaled",
+    }
+    assert said[mistake] in finding.message, finding.message
+    other = said["clip before" if mistake == "unscaled loss" else "unscaled loss"]
+    assert other not in finding.message, finding.message
+    assert FIXES[api, mistake] in finding.fix, finding.fix
+    assert [k for k, text in FIXES.items() if text in finding.fix] == [(api, mistake)]
+
+
+@pytest.mark.parametrize("api", ["wrap", "apply_gradients", "TrainState"])
+def test_preflight_step_runs_a_step_that_donates_its_state_on_copies(api):
+    for mistake in (None, "unscaled loss"):
+        step, state = SMALL_STEPS[api, mistake]
+        before = jax.tree.map(np.array, state)
+        donating = lossscale.preflight_step(jax.jit(step, donate_argnums=0), state, X)
+        # The reference: the same step, without donation.
+        plain = lossscale.preflight_step(jax.jit(step), state, X)
+        assert donating == plain, f"{donating}\n{plain}"
+        # The caller's arrays are alive, and as they were.
+        leaves = jax.tree.leaves(state)
+        assert not any(
+            leaf.is_deleted() for leaf in leaves if hasattr(leaf, "is_deleted")
+        )
+        assert helpers.tree_equal(jax.tree.map(np.array, state), before)
 
 
 # -- models, arguments, refusals, the table ---------------------------------------

@@ -21,7 +21,8 @@ class Finding:
         batches or precision) or `"info"` (something unneeded).
       message: what was found, with the numbers measured on the probe batch.
       where: `"file:line"` of the user's code that calls the op, the path of a
-        gradient or parameter leaf (`jax.tree_util.keystr`), or None.
+        gradient or parameter leaf (`jax.tree_util.keystr`), the input that is
+        not finite (`loss_fn`'s argument and path: `"batch['image']"`), or None.
       fix: what to change, concretely.
 
     Examples:

@@ -46,7 +46,7 @@ def check(problem: Program, probe: Probe, evaluation: Evaluation) -> list[Findin
     closed = trace(lambda d, b: problem.loss(d, b)[0], problem.diff, problem.batch)
     findings = half_accumulations(closed.jaxpr)
     findings += loss_in_half(closed.jaxpr)
-    return findings + _overflows(probe, evaluation)
+    return findings + _overflows(problem, probe, evaluation)
 
 
 # -- the traced program ----------------------------------------------------------
@@ -153,34 +153,55 @@ def _equations(jaxpr: Any, calls: tuple[Any, ...]):
 # -- the probe batch ------------------------------------------------------------
 
 
-def _overflows(probe: Probe, evaluation: Evaluation) -> list[Finding]:
-    """Ops whose float16 outputs are not finite, or near float16's largest value."""
+def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[Finding]:
+    """Where the loss's inf or NaN comes from; values near float16's largest."""
+    peaks, bads = evaluation.peaks, evaluation.bad
+    origins = _origins(probe, evaluation)
     overflows: dict[str | None, list[str]] = {}
     close: dict[str | None, list[str]] = {}
-    peaks, bads = evaluation.peaks, evaluation.bad
     for op in probe.ops:
-        # The measured values its inputs come from: all finite, and their peak.
-        inputs_finite = not any(bads[i] for i in op.upstream)
         largest_input = max((float(peaks[i]) for i in op.upstream), default=0.0)
         name = f"`{op.eqn.primitive.name}`"
         where = interpret.source(op.eqn, calls=op.calls)[0]
+        if origins.intersection(op.outputs):
+            overflows.setdefault(where, []).append(
+                f"{name} (from float16 values up to {largest_input:.4g})"
+                if largest_input
+                else name
+            )
         for i in op.outputs:
-            peak, bad = float(peaks[i]), bool(bads[i])
-            if bad and inputs_finite:
-                overflows.setdefault(where, []).append(
-                    f"{name} (from float16 values up to {largest_input:.4g})"
-                    if op.upstream
-                    else name
-                )
-            elif not bad and peak >= F16_MAX / HEADROOM and peak > largest_input:
+            peak = float(peaks[i])
+            if not bads[i] and peak >= F16_MAX / HEADROOM and peak > largest_input:
                 close.setdefault(where, []).append(f"{name} ({peak:.4g})")
-    findings = [
+    findings = []
+    inputs = problem.input_names()
+    names = [inputs[i] for i in sorted(origins) if i < len(inputs)]
+    if names:
+        findings.append(
+            Finding(
+                code="forward-overflow",
+                severity="error",
+                message=(
+                    f"The input is not finite: {_listed([f'`{n}`' for n in names])}"
+                    " holds an inf or a NaN before any op runs, and the loss is"
+                    f" {evaluation.loss:g}. No loss scale or float32 cast fixes that."
+                ),
+                where=names[0],
+                fix=(
+                    "Clean the data (or the parameters) it comes from, or skip such"
+                    " batches: with `value=loss` the step skips them without backing"
+                    " off the scale."
+                ),
+            )
+        )
+    findings += [
         Finding(
             code="forward-overflow",
             severity="error",
             message=(
                 f"{_listed(ops)} gives inf or NaN in float16 on the probe batch,"
-                " from finite inputs. No loss scale fixes a forward overflow."
+                f" from finite inputs, and the loss is {evaluation.loss:g}. No loss"
+                " scale fixes a forward overflow."
             ),
             where=where,
             fix=(
@@ -211,6 +232,31 @@ def _overflows(probe: Probe, evaluation: Evaluation) -> list[Finding]:
         if where not in overflows
     ]
     return findings
+
+
+def _origins(probe: Probe, evaluation: Evaluation) -> set[int]:
+    """The values (inputs, or ops' outputs) the loss's inf or NaN comes from.
+
+    As `interpret.run` blames: a forward overflow is a loss that is not finite,
+    followed back through values that are not, to an input, or to an op whose
+    inputs are all finite. So an inf that the loss does not keep, such as a
+    `-inf` attention mask that the softmax turns into zeros, is not blamed.
+    """
+    if np.isfinite(evaluation.loss):
+        return set()
+    bad = evaluation.bad
+    made_by = {i: op for op in probe.ops for i in op.outputs}
+    todo, reached = [i for i in probe.loss_upstream if bad[i]], set()
+    while todo:
+        i = todo.pop()
+        upstream = [j for j in made_by[i].upstream if bad[j]] if i in made_by else []
+        todo += [j for j in upstream if j not in reached]
+        reached.add(i)
+    return {
+        i
+        for i in reached
+        if i not in made_by or not any(bad[j] for j in made_by[i].upstream)
+    }
 
 
 def _listed(items: list[str]) -> str:

@@ -55,11 +55,11 @@ def check(problem: Program, probe: Probe, start: LossScale) -> Gradients:
     reference = None
     if best is not None:
         reference = [np.asarray(g, np.float32) / best.scale for g in best.grads]
-    tried = ", ".join(power(s) for s in sorted(probe.evaluations))
-    note = f"Gradients probed at scales {tried}."
     findings = _overflow(probe, first, start, scale)
     if first.finite and best is not None and best.scale > first.scale:
         findings += _underflow(problem, probe, first, best, start, scale)
+    tried = ", ".join(power(s) for s in sorted(probe.evaluations))
+    note = f"Gradients probed at scales {tried}."
     if "float16" not in probe.dtypes and "bfloat16" in probe.dtypes:
         if start.min_scale < start.max_scale:
             findings.append(_bfloat16_dynamic(start))
@@ -126,21 +126,19 @@ def _underflow(
     start: LossScale,
     scale: float | None,
 ) -> list[Finding]:
-    lost, nonzero = [], 0
-    for ours, theirs in zip(first.grads, best.grads, strict=True):
-        kept = np.asarray(theirs) != 0
-        nonzero += int(kept.sum())
-        lost.append(int((kept & (np.asarray(ours) == 0)).sum()))
-    share = sum(lost) / max(nonzero, 1)
+    lost = _lost(first, best)
+    nonzero = max(sum(np.count_nonzero(g) for g in best.grads), 1)
+    share = sum(lost) / nonzero
     if share <= UNDERFLOW_LIMIT:
         return []
+    target = scale or best.scale
     where = problem.diff_paths[int(np.argmax(lost))]
     measured = (
         f"{share:.1%} of the nonzero gradient values (at {power(best.scale)}, the"
         f" largest scale probed with finite gradients) are zero at"
         f" {power(first.scale)}"
     )
-    target = f"{power(scale)} (`report.scale`)" if scale else power(best.scale)
+    named = f"{power(target)} (`report.scale`)" if scale else power(target)
     if isinstance(start, NoOpLossScale):
         if "float16" not in probe.dtypes:
             return []
@@ -155,12 +153,15 @@ def _underflow(
                 ),
                 where=where,
                 fix=(
-                    f"Scale the loss, starting at {target}: `lossscale.wrap(inner,"
+                    f"Scale the loss, starting at {named}: `lossscale.wrap(inner,"
                     " loss_scale=lossscale.DynamicLossScale(scale="
-                    f"{literal(scale or best.scale)}))`."
+                    f"{literal(target)}))`."
                 ),
             )
         ]
+    # Of the values lost, those still zero at the scale the fix names.
+    still = sum(_lost(probe(target), best)) / nonzero
+    start_at = f"`lossscale.DynamicLossScale(scale={literal(target)})`"
     return [
         Finding(
             code="gradient-underflow",
@@ -168,10 +169,21 @@ def _underflow(
             message=f"{measured}, the most in {where}.",
             where=where,
             fix=(
-                f"Start the scale at {target}, which keeps them:"
-                f" `lossscale.DynamicLossScale(scale={literal(scale or best.scale)})`."
+                f"Start the scale at {named}: {start_at}. There {still:.1%} of the"
+                " nonzero values are still zero (kept only above it, at"
+                f" {power(best.scale)})."
+                if still
+                else f"Start the scale at {named}, which keeps them: {start_at}."
             ),
         )
+    ]
+
+
+def _lost(evaluation: Evaluation, best: Evaluation) -> list[int]:
+    """Per gradient leaf, how many values are nonzero at `best`, zero here."""
+    return [
+        int(np.sum((np.asarray(ours) == 0) & (np.asarray(theirs) != 0)))
+        for ours, theirs in zip(evaluation.grads, best.grads, strict=True)
     ]
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
@@ -199,9 +200,13 @@ def _sub_jaxpr(eqn: Any, arity: int) -> Any:
 
 
 def nonfinite(value: Any) -> bool:
-    """Whether a floating-point array holds an inf or a NaN (others: False)."""
+    """Whether a floating-point array holds an inf or a NaN (others: False).
+
+    `jnp.issubdtype`, not NumPy's: a typed PRNG key's dtype (`key<fry>`) is not
+    a NumPy dtype, and a key is held fixed like an integer.
+    """
     dtype = getattr(value, "dtype", None)
-    if dtype is None or not np.issubdtype(np.dtype(dtype), np.inexact):
+    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
         return False
     return not bool(np.isfinite(np.asarray(value)).all())
 

@@ -43,6 +43,10 @@ def check(
     state = _unscaled(optimizer.init(params))
     if not any(_half(leaf) for leaf in jax.tree.leaves((params, state))):
         return []  # float32 throughout: nothing rounds differently
+    # The reference starts from its own float32 state: a constant that `init`
+    # stores in the parameters' dtype (`inject_hyperparams`' `eps`) is rounded
+    # there already, and a cast back would keep the rounded value.
+    wide_state = _unscaled(optimizer.init(_float32(params)))
     findings = []
     probe = problem.masked_params(
         [np.asarray(g).astype(d) for g, d in zip(grads, dtypes, strict=True)]
@@ -53,18 +57,19 @@ def check(
     wide = jax.jit(lambda g, s, p: optimizer.update(*_float32((g, s, p)))[0])
     for name, g in (("the probe's gradients", probe), ("gradients of zero", zeros)):
         updates = flatten_with_paths(jax.device_get(update(g, state, params)))[1]
-        reference = flatten_with_paths(jax.device_get(wide(g, state, params)))[1]
+        reference = flatten_with_paths(jax.device_get(wide(g, wide_state, params)))[1]
         if name == "the probe's gradients":
             findings += _rounded_away(problem, updates)
         if broken is None:
             broken = _broken(updates, reference, problem.paths, name)
             if broken is not None:  # name the op that made it
-                broken = _named(broken, _first_nonfinite(optimizer, g, state, params))
+                op = _first_nonfinite(optimizer, g, state, params)
+                broken = dataclasses.replace(broken, message=broken.message + op)
     return ([broken] if broken else []) + findings
 
 
-def _first_nonfinite(optimizer, grads, state, params) -> str | None:
-    """The first op of the update that made a non-finite value from finite ones.
+def _first_nonfinite(optimizer, grads, state, params) -> str:
+    """Which op of the update made a non-finite value from finite ones, if any.
 
     Walked one op at a time (slow): only once something is found.
     """
@@ -82,17 +87,7 @@ def _first_nonfinite(optimizer, grads, state, params) -> str | None:
 
     leaves = jax.tree.leaves((grads, state, params))
     interpret.walk(closed, leaves, visit, descend=lambda: not found, branches=True)
-    return found[0] if found else None
-
-
-def _named(finding: Finding, op: str | None) -> Finding:
-    """`finding` with the op that made the first non-finite value, if known."""
-    if op is None:
-        return dataclasses.replace(finding, message=finding.message + ".")
-    return dataclasses.replace(
-        finding,
-        message=f"{finding.message}. The first non-finite value comes from {op}.",
-    )
+    return f" The first non-finite value comes from {found[0]}." if found else ""
 
 
 def _broken(updates, reference, paths, name) -> Finding | None:
@@ -114,7 +109,7 @@ def _broken(updates, reference, paths, name) -> Finding | None:
                 f" update of {path} are {what}, where the same update in float32"
                 f" is finite: a constant or state value of the optimizer (such as"
                 f" Adam's `eps=1e-8`, 0 in float16) rounds to zero or a subnormal"
-                f" in the dtype it is used in"
+                f" in the dtype it is used in."
             ),
             where=path,
             fix=(

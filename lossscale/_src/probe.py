@@ -6,7 +6,8 @@ program:
 
 * the forward pass (the equations that the loss depends on and the scale does
   not): the largest magnitude of each float16 output, and which measured values
-  each op's inputs come from (its nearest measured ancestors);
+  or inputs each op's inputs, and the loss, come from (their nearest measured
+  ancestors; whether an input is finite is read on the host);
 * the backward pass (the values computed from the scale): the largest magnitude
   of each float16 value. The backward pass is linear in the scale, so at scale
   `s` it overflows from about `s * 65520 / max` on.
@@ -54,7 +55,7 @@ class Op:
     eqn: Any
     calls: tuple[Any, ...]  # the call equations it is inside (`interpret.walk`)
     upstream: frozenset[int]  # indices into `Evaluation.peaks`: nearest ancestors
-    outputs: tuple[int, ...]  # its float16 outputs' indices
+    outputs: tuple[int, ...]  # its float16 outputs' indices (after the inputs')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,10 @@ class Evaluation:
     loss: float
     grads: list[np.ndarray]  # scaled, in the gradient leaves' dtypes
     finite: bool  # the loss and every gradient
-    peaks: np.ndarray  # the float16 forward values' largest magnitudes (0 if bad)
-    bad: np.ndarray  # whether each holds an inf or a NaN
+    # The inputs (0: not measured), then the float16 forward values: the
+    # largest magnitude of each (0 if bad), and whether it holds an inf or a NaN.
+    peaks: np.ndarray
+    bad: np.ndarray
     limit: float  # the scale from which a float16 backward value overflows
     first_overflow: Any  # (equation, calls) that overflowed first, or None
 
@@ -87,16 +90,21 @@ class Probe:
         )
         marked = [False] * len(self._args) + [True]
         # The unscaled loss is the second output: its equations are the forward's.
-        forward = needed(closed.jaxpr, [False, True] + [False] * len(problem.diff))
+        forward = needed(closed.jaxpr, [False, True] + [False] * len(problem.diff))[0]
         self.ops: list[Op] = []
         self.sites: list[Any] = []  # (equation, calls) of each backward value
         self.dtypes: set[str] = set()  # of the floating values computed from the scale
+        self.loss_upstream: frozenset[int] = frozenset()
+        # An input is its own measured value, read on the host: an inf or NaN in
+        # the batch or the parameters is named, not blamed on the op reading it.
+        self.inputs_bad = np.array([interpret.nonfinite(a) for a in self._args], bool)
+        first = len(self._args)  # the index of the first measured value
 
         def instrumented(args):
             values, backward = [], []
             # id of a forward value: (the value, kept so that its id stays its
-            # own; the indices of the measured values it comes from)
-            lineage: dict[int, tuple[Any, frozenset[int]]] = {}
+            # own; the indices of the inputs and measured values it comes from)
+            lineage = {id(a): (a, frozenset([i])) for i, a in enumerate(args[:first])}
 
             def visit(eqn, inputs, outputs, tags, calls):
                 # A value computed from the scale is the backward pass's.
@@ -122,7 +130,7 @@ class Probe:
                 measured = {}
                 if not _moves(eqn):  # a new magnitude: measure its float16 outputs
                     for value in halves:
-                        measured[id(value)] = frozenset([len(values)])
+                        measured[id(value)] = frozenset([first + len(values)])
                         values.append(value)
                     if halves:
                         indices = tuple(i for (i,) in measured.values())
@@ -131,6 +139,7 @@ class Probe:
                     lineage[id(value)] = (value, measured.get(id(value), upstream))
 
             outputs, _ = interpret.walk(closed, args, visit, tags=marked)
+            self.loss_upstream = lineage.get(id(outputs[1]), (None, frozenset()))[1]
             return outputs, _peaks(values), _peaks(backward)
 
         self._compiled = (
@@ -156,24 +165,27 @@ class Probe:
             with np.errstate(divide="ignore"):
                 headroom = np.where(np.isfinite(backward), F16_OVERFLOW / backward, 0)
             reached = np.flatnonzero(headroom <= 1.0)
+            first = len(self.inputs_bad)
+            bad = np.concatenate([self.inputs_bad, ~np.isfinite(peaks)])
             self.evaluations[scale] = Evaluation(
                 scale=scale,
                 loss=float(loss),
                 grads=grads,
                 finite=finite,
-                peaks=np.where(np.isfinite(peaks), peaks, 0),
-                bad=~np.isfinite(peaks),
+                peaks=np.where(bad, 0, np.concatenate([np.zeros(first), peaks])),
+                bad=bad,
                 limit=scale * float(np.min(headroom, initial=np.inf)),
                 first_overflow=self.sites[reached[0]] if reached.size else None,
             )
         return self.evaluations[scale]
 
 
-def needed(jaxpr: Any, outputs: list[bool]) -> set[int]:
+def needed(jaxpr: Any, outputs: list[bool]) -> tuple[set[int], list[bool]]:
     """The ids of the equations that the flagged outputs of `jaxpr` depend on.
 
     Inside the calls that `interpret.walk` enters, per output; other equations
     whole. An equation of a sub-jaxpr called twice counts if either call needs it.
+    Also returns which of `jaxpr`'s inputs they read.
     """
     found: set[int] = set()
     live = _variables(v for v, f in zip(jaxpr.outvars, outputs, strict=True) if f)
@@ -183,23 +195,13 @@ def needed(jaxpr: Any, outputs: list[bool]) -> set[int]:
             continue
         found.add(id(eqn))
         sub = interpret._sub_jaxpr(eqn, len(eqn.invars))
-        if sub is None:
-            inputs = eqn.invars
-        else:
-            inner = needed(sub.jaxpr, wanted)
+        inputs = eqn.invars
+        if sub is not None:
+            inner, used = needed(sub.jaxpr, wanted)
             found |= inner
-            used = _inputs_used(sub.jaxpr, wanted)
             inputs = [v for v, use in zip(eqn.invars, used, strict=True) if use]
         live |= _variables(inputs)
-    return found
-
-
-def _inputs_used(jaxpr: Any, outputs: list[bool]) -> list[bool]:
-    live = _variables(v for v, f in zip(jaxpr.outvars, outputs, strict=True) if f)
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars):
-            live |= _variables(eqn.invars)
-    return [v in live for v in jaxpr.invars]
+    return found, [v in live for v in jaxpr.invars]
 
 
 def _variables(atoms: Any) -> set[Any]:

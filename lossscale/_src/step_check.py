@@ -11,6 +11,7 @@ much at twice the scale, which Adam's normalisation hides and SGD does not.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import kind_fields
+from lossscale._src import kinds
 from lossscale._src import lookup
 from lossscale._src.findings import Finding
 from lossscale._src.findings import PreflightReport
 from lossscale._src.findings import power
 from lossscale._src.kind import LossScale
 from lossscale._src.kinds import StaticLossScale
+from lossscale._src.wrapper import WrapState
 
 # An update that differs by more than 2**-8 of its norm between the two scales
 # differs by more than rounding: scaling by a power of two is exact, and the
@@ -79,7 +82,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     high = _settable(current)
     for _ in range(_TRIES):
         low = high / 2
-        results = [_run(step, state, args, scale) for scale in (low, high)]
+        results = [_run(step, state, args, _at(current, s)) for s in (low, high)]
         if not any(skipped for _, skipped in results):
             break
         high /= 2**4
@@ -112,26 +115,62 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
         for path, (gap, ratio) in list(differ.items())[:3]
     )
     more = f"; and {len(differ) - 3} more leaves" if len(differ) > 3 else ""
+    # At a scale of inf the gradients of a scaled loss are not finite: a step
+    # that applies its update there differentiates the unscaled loss.
+    infinite = kinds.DynamicLossScale().replace(scale=float("inf"))
+    unscaled = not _run(step, state, args, infinite)[1]
     finding = Finding(
         code="scale-dependent-step",
         severity="error",
         message=(
             f"The step's update changes with the loss scale: at {power(low)} and"
             f" {power(high)} it differs in {len(differ)} of {len(before)} leaves:"
-            f" {listed}{more}. Correct loss scaling is invariant to the scale. With"
-            " Adam the step may still train (its normalisation hides a factor);"
-            " with SGD it stalls, and `metrics` look healthy."
+            f" {listed}{more}. "
+            + (
+                "Its gradients are not those of the scaled loss (they stay finite"
+                " at a scale of inf), and the unscaling divides them by the scale."
+                if unscaled
+                else "Its gradients are those of the scaled loss (not finite at a"
+                " scale of inf), but a transformation reads them before they are"
+                " unscaled (e.g. a clip)."
+            )
+            + " With Adam the step may still train (its normalisation hides a"
+            " factor); with SGD it stalls, and `metrics` look healthy."
         ),
         where=next(iter(differ)),
-        fix=(
-            "Differentiate the scaled loss (`lossscale.value_and_grad`, or"
-            " `jax.grad` of `lossscale.scale_loss(loss, opt_state)`), and put"
-            " every transformation that reads the gradients inside the wrap:"
-            " `lossscale.wrap(optax.chain(optax.clip_by_global_norm(1.0), inner))`"
-            " or `wrap(inner, clip_norm=1.0)`, not `chain(clip, wrap(inner))`."
-        ),
+        fix=_fix(state, unscaled),
     )
     return PreflightReport((finding,), None, notes)
+
+
+def _fix(state: Any, unscaled: bool) -> str:
+    """The fix of either mistake, for the API that holds the loss-scale state."""
+    # A `lossscale.flax.TrainState` exists only once its module is imported.
+    module = sys.modules.get("lossscale._src.flax_training")
+    train_state = getattr(module, "TrainState", WrapState)
+    nodes = jax.tree.leaves(
+        state, is_leaf=lambda x: isinstance(x, WrapState | train_state)
+    )
+    chain = "`optax.chain(optax.clip_by_global_norm(1.0), inner)`"
+    untouched = f"or a `tx` that clips ({chain}); pass it the gradients untransformed"
+    if any(isinstance(x, WrapState) for x in nodes):
+        scale_from = "opt_state, params"
+        clip = (
+            f"`lossscale.wrap({chain[1:-1]})` or `lossscale.wrap(inner,"
+            " clip_norm=1.0)`, not `optax.chain(clip, lossscale.wrap(inner))`"
+        )
+    elif any(isinstance(x, train_state) for x in nodes):
+        scale_from = "state, state.params"
+        clip = f"`TrainState.create(..., clip_norm=1.0)`, {untouched}"
+    else:
+        scale_from = "loss_scale, params"
+        clip = f"`lossscale.apply_gradients(..., clip_norm=1.0)`, {untouched}"
+    if unscaled:
+        return (
+            "Differentiate the scaled loss: `loss, grads ="
+            f" lossscale.value_and_grad(loss_fn)({scale_from}, ...)`."
+        )
+    return f"Transform the gradients after the unscaling: {clip}."
 
 
 def _settable(state: LossScale) -> float:
@@ -148,25 +187,28 @@ def _settable(state: LossScale) -> float:
     )
 
 
-def _run(step, state, args, scale) -> tuple[dict[str, Any], bool]:
-    """The step's new floating-point leaves at `scale`, and whether it skipped."""
+def _at(state: LossScale, scale: float) -> LossScale:
+    """`state` at `scale` (a static scale is a setting: a new state)."""
+    if isinstance(state, StaticLossScale):
+        return StaticLossScale(scale)
+    return state.replace(scale=jnp.asarray(scale, jnp.float32))
 
-    def at_scale(node):
-        if isinstance(node, StaticLossScale):
-            return StaticLossScale(scale)
-        return node.replace(scale=jnp.asarray(scale, jnp.float32))
 
-    # A copy of every array: the step may donate its inputs.
-    fresh = jax.tree.map(
-        lambda x: (
-            at_scale(x)
-            if isinstance(x, LossScale)
-            else (jnp.array(x, copy=True) if isinstance(x, jax.Array) else x)
-        ),
+def _run(step, state, args, loss_scale) -> tuple[dict[str, Any], bool]:
+    """The step's new floating-point leaves with `loss_scale`; whether it skipped."""
+    given = jax.tree.map(
+        lambda x: loss_scale if isinstance(x, LossScale) else x,
         state,
         is_leaf=lambda x: isinstance(x, LossScale),
     )
-    out = step(fresh, *args)
+    # Copies of every array: the step may donate its arguments, and these are
+    # the caller's (the loss-scale state's counters too).
+    given, args = jax.tree.map(
+        lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
+        (given, args),
+    )
+    before = int(loss_scale.skipped_steps)
+    out = step(given, *args)
     paths = set(_float_leaves(state))
     if set(_float_leaves(out)) != paths and isinstance(out, tuple | list) and out:
         out = out[0]
@@ -176,7 +218,6 @@ def _run(step, state, args, scale) -> tuple[dict[str, Any], bool]:
             " loss-scale state updated), or a tuple whose first element is; it"
             f" returned a {type(out).__name__} with other floating-point leaves."
         )
-    before = int(lookup.find(fresh, "state").skipped_steps)
     after = int(lookup.find(out, "step(state, ...)").skipped_steps)
     return _float_leaves(out), after > before
 
