@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from flax import serialization
 
 from lossscale._src import kind
@@ -37,7 +38,7 @@ def _from_state_dict(target: LossScale, state: dict[str, Any], name: str = ".") 
         serialization.from_state_dict(getattr(target, n), state[n], name=n)
         for n in names
     ]
-    return kind_fields.unflatten(cls, kind_fields.flatten(target)[1], leaves)
+    return jax.tree.structure(target).unflatten(leaves)
 
 
 kind.for_every_kind(

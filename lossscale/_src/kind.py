@@ -62,20 +62,20 @@ class LossScale:
     stuck: jax.Array = field(dtype=jnp.bool_, default=False)
     overflow_leaf: jax.Array = field(dtype=jnp.int32, default=-1)
 
+    def __init__(self, **values: Any):  # a kind's is its dataclass `__init__`
+        raise TypeError(
+            "`LossScale` is the abstract base class of loss-scale kinds: build a kind"
+            " (`DynamicLossScale()`, `StaticLossScale(s)`, `NoOpLossScale()`) or"
+            " subclass it."
+        )
+
     def __init_subclass__(cls, *, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "__init__" in vars(cls):
-            raise TypeError(
-                f"`{cls.__name__}` defines `__init__`; a kind is a dataclass whose"
-                " constructor takes its fields: give them defaults, check or derive"
-                " values in `__post_init__`, or add a classmethod constructor (0.2's"
-                f" `super().__init__(**values)` is gone: {deprecation.MIGRATION})."
-            )
         kind_validation.validate_body(cls)
         dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
         kind_validation.validate_class(cls, COUNTERS, LossScale.rule)
         kind_fields.lay_out(cls, COUNTERS)
-        cls.__init__ = kind_validation.validating(cls.__init__, kind_fields.specs(cls))
+        cls.__init__ = kind_validation.validating(cls.__init__)
         cls.kind = _register(cls, kind)
         for hook in _HOOKS:
             hook(cls)
@@ -112,13 +112,10 @@ class LossScale:
           >>> print(state.scale, state.growth_interval)
           8.0 2000
         """
-        kind = type(self)
-        owner = f"{kind.__name__}.replace"
-        leaves = kind_fields.leaf_names(kind)
-        unknown = set(values) - set(leaves)
-        if unknown:
+        kind, owner = type(self), f"{type(self).__name__}.replace"
+        if unknown := set(values) - set(kind._leaves):
             raise TypeError(
-                f"`{owner}` takes array fields {sorted(leaves)}, got"
+                f"`{owner}` takes array fields {sorted(kind._leaves)}, got"
                 f" {sorted(unknown)}. Settings are static: build a new state to"
                 " change them."
             )
@@ -126,12 +123,10 @@ class LossScale:
         new.__dict__.update(self.__dict__)
         for name, value in values.items():
             old = self.__dict__[name]
+            like = old if hasattr(old, "shape") else None
+            spec = kind._specs[name]
             new.__dict__[name] = kind_fields.as_array(
-                kind_fields.specs(kind)[name],
-                value,
-                owner,
-                name,
-                like=old if hasattr(old, "shape") else None,
+                spec, value, owner, name, like=like
             )
         return new
 
@@ -146,8 +141,8 @@ class LossScale:
           >>> print(lossscale.StaticLossScale(1024).get_config())
           {'kind': 'static', 'value': 1024.0}
         """
-        names = kind_fields.setting_names(type(self))
-        return {"kind": self.kind, **{n: getattr(self, n) for n in names}}
+        settings = type(self)._settings
+        return {"kind": self.kind, **{n: getattr(self, n) for n in settings}}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScale:
@@ -170,18 +165,33 @@ class LossScale:
         config = kind_validation.validated_config(config, known_kinds())
         config = deprecation.upgraded_config(config, quietly=False)
         name = config["kind"]
-        target = kind_validation.validated_kind(
-            name, _KINDS.get(name), name in _KINDS, cls, known_kinds()
-        )
+        target = _KINDS.get(name)
+        if target is None and name in _KINDS:
+            raise ValueError(
+                f"The kind {name!r} was defined inside a function, where"
+                " every call makes another class of the same name, so the name does"
+                " not say which to build. Name it: `class ...(lossscale.LossScale,"
+                " kind='my_kind')`."
+            )
+        if target is None:
+            raise ValueError(
+                f"`config['kind']` must be one of {known_kinds()}, got {name!r}. (A"
+                " kind defined in your code is known once its module is imported.)"
+            )
+        if not issubclass(target, cls):
+            raise ValueError(
+                f"`{cls.__name__}.from_config` got a config of kind"
+                f" {name!r} ({target.__name__}); use"
+                " `lossscale.LossScale.from_config` to build any kind."
+            )
         settings = {key: value for key, value in config.items() if key != "kind"}
-        names = kind_fields.setting_names(target)
-        kind_validation.validate_settings(settings, names, name)
+        kind_validation.validate_settings(settings, target._settings, name)
         return target(**settings)
 
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, LossScale):
             return NotImplemented
-        a, b = kind_fields.flatten(self), kind_fields.flatten(other)
+        a, b = type(self)._flatten(self), type(other)._flatten(other)
         return (
             type(self) is type(other)
             and a[1] == b[1]
@@ -195,29 +205,19 @@ class LossScale:
 
     def __repr__(self) -> str:
         kind = type(self)
-        leaves, settings = kind_fields.leaf_names(kind), kind_fields.setting_names(kind)
-        parts = [f"{n}={_format_leaf(getattr(self, n))}" for n in leaves]
-        parts += [f"{n}={getattr(self, n)!r}" for n in settings]
+        parts = [f"{n}={_format_leaf(getattr(self, n))}" for n in kind._leaves]
+        parts += [f"{n}={getattr(self, n)!r}" for n in kind._settings]
         return f"{kind.__name__}({', '.join(parts)})"
 
 
-def _abstract_init(self, **values):
-    raise TypeError(
-        "`LossScale` is the abstract base class of loss-scale kinds: build a kind"
-        " (`DynamicLossScale()`, `StaticLossScale(s)`, `NoOpLossScale()`) or"
-        " subclass it."
-    )
-
-
-LossScale.__init__ = _abstract_init
 kind_fields.lay_out(LossScale, ())
 # The counters every state has, which `lossscale.update` keeps.
-COUNTERS = kind_fields.leaf_names(LossScale)
+COUNTERS = LossScale._leaves
 
 
 def rule_fields(kind: type[LossScale]) -> tuple[str, ...]:
     """The array fields a kind declares (its rule's), without the counters."""
-    return tuple(n for n in kind_fields.leaf_names(kind) if n not in COUNTERS)
+    return tuple(n for n in kind._leaves if n not in COUNTERS)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -263,10 +263,8 @@ def _register(cls: type[LossScale], kind: str | None) -> str:
     name = kind if kind is not None else f"{cls.__module__}.{cls.__qualname__}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
-    if kind is None and "<locals>" in name:
-        _KINDS[name] = None
-        return name
-    known = _KINDS.get(name)
+    local = kind is None and "<locals>" in name
+    known = None if local else _KINDS.get(name)
     if known is not None and (known.__module__, known.__qualname__) != (
         cls.__module__,
         cls.__qualname__,
@@ -277,7 +275,7 @@ def _register(cls: type[LossScale], kind: str | None) -> str:
             "lossscale.LossScale, kind=...)`."
         )
     # The same class defined again (a re-run notebook cell) replaces the old one.
-    _KINDS[name] = cls
+    _KINDS[name] = None if local else cls
     return name
 
 

@@ -1,4 +1,4 @@
-"""A kind's fields: declared with `field`, laid out as leaves and settings, cast.
+"""A kind's fields: declared with `field`, cast, and laid out as a pytree.
 
 A kind's array fields are its pytree leaves, named and in a fixed order; its
 settings are its tree structure (`docs/design.md`, "States").
@@ -7,7 +7,6 @@ settings are its tree structure (`docs/design.md`, "States").
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import operator
 from typing import Any
@@ -21,13 +20,17 @@ from lossscale._src import deprecation
 
 # The key of a field's spec in `dataclasses.field(metadata=...)`.
 METADATA_KEY = "lossscale"
+_MISSING = dataclasses.MISSING
+# What an array field's `default` may be: a Python number or bool (cast), None
+# (`__post_init__` sets the value) or no default.
+_ARRAY_DEFAULTS = (bool, int, float, type(None), type(_MISSING))
 
 
 class FieldSpec(NamedTuple):
     """What `field` declared: an array's dtype and shape, or a static setting."""
 
     dtype: np.dtype | None  # None for a static setting
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = ()
 
     @property
     def static(self) -> bool:
@@ -39,8 +42,8 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
     dtype: Any = None,
     shape: tuple[int, ...] = (),
     static: bool = False,
-    default: Any = dataclasses.MISSING,
-    kw_only: Any = dataclasses.MISSING,
+    default: Any = _MISSING,
+    kw_only: Any = _MISSING,
 ) -> Any:
     """Declares a field of a loss-scale kind: an array leaf or a static setting.
 
@@ -89,43 +92,33 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
             " is `lossscale.field(dtype=jnp.float32)`, annotated:"
             f" {deprecation.MIGRATION})."
         )
-    if static:
-        if dtype is not None or shape != ():
-            raise TypeError(
-                "`field`: a static field (a setting) takes no `dtype` or `shape`; got"
-                f" dtype={dtype!r}, shape={shape!r}. Drop them, or drop"
-                " `static=True` for an array field."
-            )
-        spec = FieldSpec(None, ())
-    else:
-        spec = FieldSpec(_validated_dtype(dtype), _validated_shape(shape))
-    if default is not dataclasses.MISSING and not spec.static:
-        if not (default is None or isinstance(default, bool | int | float)):
-            raise TypeError(
-                "`field`: an array field's `default` must be a Python number or bool"
-                f" (cast to {spec.dtype} and broadcast to {spec.shape}), or None for"
-                f" a value `__post_init__` sets; got {type(default).__name__}."
-            )
-    if default is not dataclasses.MISSING and spec.static:
+    if static and (dtype is not None or shape != ()):
+        raise TypeError(
+            "`field`: a static field (a setting) takes no `dtype` or `shape`; got"
+            f" dtype={dtype!r}, shape={shape!r}. Drop them, or drop"
+            " `static=True` for an array field."
+        )
+    spec = FieldSpec(None) if static else FieldSpec(_dtype(dtype), _shape(shape))
+    if static and default is not _MISSING:
         # A setting is immutable (part of the tree structure), so a list default
         # is no shared mutable state: store it as the tuple it becomes anyway.
         default = validated_setting(default, "field(static=True)", "default")
-    return dataclasses.field(
-        default=default, kw_only=kw_only, metadata={METADATA_KEY: spec}
-    )
+    elif not (static or isinstance(default, _ARRAY_DEFAULTS)):
+        raise TypeError(
+            "`field`: an array field's `default` must be a Python number or bool"
+            f" (cast to {spec.dtype} and broadcast to {spec.shape}), or None for"
+            f" a value `__post_init__` sets; got {type(default).__name__}."
+        )
+    metadata = {METADATA_KEY: spec}
+    return dataclasses.field(default=default, kw_only=kw_only, metadata=metadata)
 
 
 # Keyword-only as documented; `*positional` is there to explain 0.2's spelling.
-field.__signature__ = inspect.signature(field).replace(
-    parameters=[
-        p
-        for p in inspect.signature(field).parameters.values()
-        if p.kind is not inspect.Parameter.VAR_POSITIONAL
-    ]
-)
+_parameters = list(inspect.signature(field).parameters.values())
+field.__signature__ = inspect.signature(field).replace(parameters=_parameters[1:])
 
 
-def _validated_dtype(dtype: Any) -> np.dtype:
+def _dtype(dtype: Any) -> np.dtype:
     if dtype is None:
         raise TypeError(
             "`field`: an array field needs `dtype=`, e.g."
@@ -149,26 +142,14 @@ def _validated_dtype(dtype: Any) -> np.dtype:
     return dtype
 
 
-def _validated_shape(shape: Any) -> tuple[int, ...]:
-    if not (
-        isinstance(shape, tuple)
-        and all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        )
+def _shape(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, tuple) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise TypeError(
-            f"`field`: `shape` must be a tuple of non-negative ints, got {shape!r}."
-        )
-    return shape
-
-
-def declared_specs(cls: type) -> dict[str, FieldSpec]:
-    """The fields of dataclass `cls` by name, in order, with their specs."""
-    return {
-        f.name: f.metadata[METADATA_KEY]
-        for f in dataclasses.fields(cls)
-        if METADATA_KEY in f.metadata
-    }
+        return shape
+    raise TypeError(
+        f"`field`: `shape` must be a tuple of non-negative ints, got {shape!r}."
+    )
 
 
 def as_array(spec: FieldSpec, value: Any, owner: str, name: str, *, like=None) -> Any:
@@ -190,12 +171,9 @@ def as_array(spec: FieldSpec, value: Any, owner: str, name: str, *, like=None) -
                 " arithmetic that changed its dtype."
             )
         target = tuple(like.shape)
-    else:
-        ndim = len(spec.shape)
-        trailing = (
-            tuple(array.shape[array.ndim - ndim :]) if array.ndim >= ndim else None
-        )
-        target = tuple(array.shape) if trailing == spec.shape else spec.shape
+    else:  # a shorter shape's tail cannot equal `spec.shape`
+        trailing = array.shape[array.ndim - len(spec.shape) :]
+        target = array.shape if trailing == spec.shape else spec.shape
     if array.shape not in (target, ()):
         raise ValueError(
             f"`{owner}`: field `{name}` has shape {target}, got a value of shape"
@@ -206,9 +184,7 @@ def as_array(spec: FieldSpec, value: Any, owner: str, name: str, *, like=None) -
 
 def validated_setting(value: Any, owner: str, name: str) -> Any:
     """`value`, if it can be a static setting; JSON's lists become tuples."""
-    if isinstance(value, list):
-        value = tuple(value)
-    if isinstance(value, tuple):
+    if isinstance(value, list | tuple):
         return tuple(validated_setting(v, owner, name) for v in value)
     if isinstance(value, np.ndarray | np.generic | jax.Array):
         raise TypeError(
@@ -237,15 +213,29 @@ def lay_out(kind: type, counters: tuple[str, ...]) -> None:
     structure. Unflattening skips `__init__`: leaves may be tracers, shape
     structs, shardings or other placeholders.
     """
-    kind._specs = declared_specs(kind)
+    fields = dataclasses.fields(kind)
+    kind._specs = {f.name: f.metadata[METADATA_KEY] for f in fields}
+    kind._positional = tuple(f.name for f in fields if not f.kw_only)
     arrays = [n for n, s in kind._specs.items() if not s.static]
-    kind._leaves = tuple(n for n in arrays if n not in counters) + counters
-    kind._settings = tuple(n for n, s in kind._specs.items() if s.static)
-    kind._get_leaves = staticmethod(_getter(kind._leaves))
-    kind._get_settings = staticmethod(_getter(kind._settings))
-    jax.tree_util.register_pytree_with_keys(
-        kind, _flatten_with_keys, functools.partial(unflatten, kind), flatten
-    )
+    kind._leaves = leaves = tuple(n for n in arrays if n not in counters) + counters
+    kind._settings = settings = tuple(n for n, s in kind._specs.items() if s.static)
+    get_leaves, get_settings = _getter(leaves), _getter(settings)
+    keys = tuple(map(jax.tree_util.GetAttrKey, leaves))
+
+    def flatten(state):
+        return get_leaves(state), get_settings(state)
+
+    def flatten_with_keys(state):
+        return tuple(zip(keys, get_leaves(state), strict=True)), get_settings(state)
+
+    def unflatten(aux, children):
+        state = object.__new__(kind)
+        state.__dict__.update(zip(leaves, children, strict=True))
+        state.__dict__.update(zip(settings, aux, strict=True))
+        return state
+
+    kind._flatten = staticmethod(flatten)
+    jax.tree_util.register_pytree_with_keys(kind, flatten_with_keys, unflatten, flatten)
 
 
 def specs(kind: type) -> dict[str, FieldSpec]:
@@ -258,35 +248,9 @@ def leaf_names(kind: type) -> tuple[str, ...]:
     return kind._leaves
 
 
-def setting_names(kind: type) -> tuple[str, ...]:
-    """A kind's static settings, in declaration order."""
-    return kind._settings
-
-
-def flatten(state: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """`(leaves, settings)` of a state."""
-    kind = type(state)
-    return kind._get_leaves(state), kind._get_settings(state)
-
-
-def unflatten(kind: type, settings: tuple, leaves) -> Any:
-    """A state of `kind` from its settings and leaves, without `__init__`."""
-    state = object.__new__(kind)
-    values = state.__dict__
-    values.update(zip(kind._leaves, leaves, strict=True))
-    values.update(zip(kind._settings, settings, strict=True))
-    return state
-
-
 def _getter(names: tuple[str, ...]):
     # `attrgetter` reads in C: flattening runs on every jitted call's dispatch.
-    if not names:
-        return lambda state: ()
-    get = operator.attrgetter(*names)
-    return (lambda state: (get(state),)) if len(names) == 1 else get
-
-
-def _flatten_with_keys(state: Any):
-    leaves, settings = flatten(state)
-    keys = map(jax.tree_util.GetAttrKey, type(state)._leaves)
-    return tuple(zip(keys, leaves, strict=True)), settings
+    if len(names) != 1:
+        return operator.attrgetter(*names) if names else lambda state: ()
+    get = operator.attrgetter(names[0])
+    return lambda state: (get(state),)

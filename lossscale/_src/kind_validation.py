@@ -81,71 +81,75 @@ def validate_body(cls: type) -> None:
     0.2's rule `adjust` becomes `rule`, with a warning: without the alias a
     subclass of a built-in kind would silently keep the built-in rule.
     """
-    body = vars(cls)
+    body, name = vars(cls), cls.__name__
+    if "__init__" in body:
+        raise TypeError(
+            f"`{name}` defines `__init__`; a kind is a dataclass whose"
+            " constructor takes its fields: give them defaults, check or derive"
+            " values in `__post_init__`, or add a classmethod constructor (0.2's"
+            f" `super().__init__(**values)` is gone: {deprecation.MIGRATION})."
+        )
     annotations = body.get("__annotations__", {})
-    for name, value in body.items():
-        if (
-            isinstance(value, dataclasses.Field)
-            and METADATA_KEY in value.metadata
-            and name not in annotations
-        ):
-            kind = "float" if value.metadata[METADATA_KEY].static else "jax.Array"
-            raise TypeError(
-                f"`{cls.__name__}.{name}` is a `lossscale.field` without an"
-                f" annotation; a kind is a dataclass: write `{name}: {kind} ="
-                f" lossscale.field(...)`."
-            )
+    for key, value in body.items():
+        if isinstance(value, dataclasses.Field) and key not in annotations:
+            spec = value.metadata.get(METADATA_KEY)
+            if spec is not None:
+                kind = "float" if spec.static else "jax.Array"
+                raise TypeError(
+                    f"`{name}.{key}` is a `lossscale.field` without an"
+                    f" annotation; a kind is a dataclass: write `{key}: {kind} ="
+                    f" lossscale.field(...)`."
+                )
     for old, new in (("lowest_scale", "min_scale"), ("highest_scale", "max_scale")):
         if old in body:
             # No alias: on a `DynamicLossScale` subclass `min_scale` is a setting.
             raise TypeError(
-                f"`{cls.__name__}` defines `{old}`, lossscale 0.2's name of a bound;"
+                f"`{name}` defines `{old}`, lossscale 0.2's name of a bound;"
                 f" 0.3 reads `{new}` (a setting, a property or a class attribute,"
                 f" a static Python float): rename it (see {deprecation.MIGRATION})."
             )
     if "adjust" in body and "rule" not in body:
         deprecation.warn(
-            f"`{cls.__name__}.adjust(self, grads_finite)` is"
-            f" `{cls.__name__}.rule(self, grads_finite)`: rename it"
+            f"`{name}.adjust(self, grads_finite)` is"
+            f" `{name}.rule(self, grads_finite)`: rename it"
         )
         cls.rule = body["adjust"]
 
 
 def validate_class(cls: type, counters: tuple[str, ...], base_rule: Any) -> None:
     """Refuses, at class creation, what would otherwise fail deep inside JAX."""
+    name, fields = cls.__name__, dataclasses.fields(cls)
     own = vars(cls).get("__annotations__", {})
-    for name in counters:
-        if name in own:
+    for key in counters:
+        if key in own:
             raise TypeError(
-                f"`{cls.__name__}` declares `{name}`, a counter every state has and"
+                f"`{name}` declares `{key}`, a counter every state has and"
                 " `lossscale.update` keeps; choose another name."
             )
-    for f in dataclasses.fields(cls):
+    for f in fields:
         if METADATA_KEY not in f.metadata:
             raise TypeError(
-                f"`{cls.__name__}.{f.name}` is a dataclass field without"
+                f"`{name}.{f.name}` is a dataclass field without"
                 " `lossscale.field`: declare an array leaf with"
                 " `lossscale.field(dtype=..., default=...)` or a setting with"
                 " `lossscale.field(static=True, default=...)`."
             )
         if f.name in RESERVED:
             raise TypeError(
-                f"`{cls.__name__}` declares a field `{f.name}`, a name `LossScale`"
+                f"`{name}` declares a field `{f.name}`, a name `LossScale`"
                 " uses; choose another name."
             )
-    spec = kind_fields.declared_specs(cls).get("scale")
+    spec = next((f.metadata[METADATA_KEY] for f in fields if f.name == "scale"), None)
     if spec is not None and (spec.dtype != jnp.float32 or spec.shape != ()):
         raise TypeError(
-            f"`{cls.__name__}.scale` must be a float32 scalar array, got a field of"
+            f"`{name}.scale` must be a float32 scalar array, got a field of"
             f" {spec.dtype} and shape {spec.shape}; the loss is multiplied by it."
         )
     if cls.rule is base_rule:
-        raise TypeError(f"`{cls.__name__}` must define `rule(self, grads_finite)`.")
-    if not hasattr(cls, "scale") and "scale" not in {
-        f.name for f in dataclasses.fields(cls)
-    }:
+        raise TypeError(f"`{name}` must define `rule(self, grads_finite)`.")
+    if spec is None and not hasattr(cls, "scale"):
         raise TypeError(
-            f"`{cls.__name__}` must define `scale`: an array field"
+            f"`{name}` must define `scale`: an array field"
             " (`scale: jax.Array = lossscale.field(dtype=jnp.float32, ...)`) or a"
             " property returning a float32 scalar array."
         )
@@ -154,24 +158,23 @@ def validate_class(cls: type, counters: tuple[str, ...], base_rule: Any) -> None
 # -- a state, where it is built ------------------------------------------------------
 
 
-def validating(init: Any, specs: dict[str, kind_fields.FieldSpec]) -> Any:
+def validating(init: Any) -> Any:
     """A kind's dataclass `__init__`, which then casts and validates the new state."""
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):  # noqa: N807
         cls = type(self)
-        unknown = set(kwargs) - set(specs)
-        if unknown:
-            raise TypeError(_unknown_argument(cls, min(unknown), list(specs)))
-        positional = [f.name for f in dataclasses.fields(cls) if not f.kw_only]
-        if len(args) > len(positional):
-            takes = ", ".join(f"`{n}`" for n in positional) or "no argument"
+        known = list(cls._specs)
+        if unknown := set(kwargs) - set(known):
+            raise TypeError(_unknown_argument(cls, min(unknown), known))
+        if len(args) > len(cls._positional):
+            takes = ", ".join(f"`{n}`" for n in cls._positional) or "no argument"
             raise TypeError(
                 f"`{cls.__name__}` takes {takes} by position, got {len(args)}"
-                f" positional values; pass fields by keyword: {list(specs)}."
+                f" positional values; pass fields by keyword: {known}."
             )
         init(self, *args, **kwargs)
-        _finish(self, specs)
+        _finish(self)
 
     return __init__
 
@@ -185,21 +188,19 @@ def _unknown_argument(cls: type, name: str, known: list[str]) -> str:
     return f"`{cls.__name__}` got an unexpected argument: {why}. It takes {known}."
 
 
-def _finish(state: Any, specs: dict[str, kind_fields.FieldSpec]) -> None:
+def _finish(state: Any) -> None:
     """Casts a new state's fields and validates its `scale` and bounds."""
-    name = type(state).__name__
-    for key, spec in specs.items():
-        value = state.__dict__[key]
+    values, name = state.__dict__, type(state).__name__
+    for key, spec in type(state)._specs.items():
         if spec.static:
-            value = kind_fields.validated_setting(value, name, key)
-        elif value is None:
+            values[key] = kind_fields.validated_setting(values[key], name, key)
+        elif values[key] is None:
             raise TypeError(
                 f"`{name}`: array field `{key}` has no value; pass `{key}=...` or give"
                 " it a default."
             )
         else:
-            value = kind_fields.as_array(spec, value, name, key)
-        object.__setattr__(state, key, value)
+            values[key] = kind_fields.as_array(spec, values[key], name, key)
     scale = state.scale
     if not (hasattr(scale, "dtype") and hasattr(scale, "shape")):
         raise TypeError(
@@ -274,26 +275,3 @@ def validate_settings(settings: dict[str, Any], names: tuple, kind: str) -> None
             f" {sorted(expected - set(settings))}, unknown [{', '.join(hints)}]."
             " Save `state.get_config()`, which writes every setting."
         )
-
-
-def validated_kind(name: str, kind: Any, local: bool, base: type, known: list) -> Any:
-    """`kind`, registered as `name`, if it can be built by `base.from_config`."""
-    if kind is None and local:
-        raise ValueError(
-            f"The kind {name!r} was defined inside a function, where"
-            " every call makes another class of the same name, so the name does"
-            " not say which to build. Name it: `class ...(lossscale.LossScale,"
-            " kind='my_kind')`."
-        )
-    if kind is None:
-        raise ValueError(
-            f"`config['kind']` must be one of {known}, got {name!r}. (A kind"
-            " defined in your code is known once its module is imported.)"
-        )
-    if not issubclass(kind, base):
-        raise ValueError(
-            f"`{base.__name__}.from_config` got a config of kind"
-            f" {name!r} ({kind.__name__}); use"
-            " `lossscale.LossScale.from_config` to build any kind."
-        )
-    return kind
