@@ -1,0 +1,565 @@
+"""RL fine-tuning of a byte-level language model in float16, with loss scaling.
+
+    python examples/rl_float16.py                       # float16 + lossscale
+    python examples/rl_float16.py --precision bfloat16  # or float32, float16-unscaled
+    python examples/rl_float16.py --quick               # a smoke run
+
+The byte-level transformer of `benchmarks/language_model.py` (Flax linen, float32
+parameters) is pretrained briefly in float32 on the Python documentation
+(`pydoc_data.topics`), then fine-tuned with a policy gradient on a task whose reward
+a program checks: continue a prompt from the documentation with 32 bytes that contain
+no letter "e" (a lipogram; reward 1, else 0).
+
+As in RL frameworks, two programs compute the policy's token probabilities from the
+same float32 parameters, both in the run's precision: the sampler (`sample`), an
+inference engine's prefill and token-by-token decode with a key-value cache, written
+here in plain JAX and compiled on its own; and the trainer, the model's
+full-sequence forward (`trainer_log_probs`). Their rounding differs, so their
+probabilities differ: the training-inference mismatch (`mismatch`). The objective
+weights each token by the importance ratio p_trainer / p_sampler (the sampler's
+log-probs held fixed), clipped as in PPO, times its group-normalised advantage
+(GRPO).
+
+The step is lossscale's recipe: `lossscale.preflight` once on the first batch, then
+`lossscale.value_and_grad` and `lossscale.apply_gradients` in a jitted step. The
+example prints the preflight report, then the reward, the mismatch, the loss scale
+and the skipped steps as it trains. `benchmarks/rl_fine_tuning.py` runs it over
+precisions and seeds and measures what it does not: the gradients lost to underflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import lossscale
+
+# The project's byte-level language model, defined once, in the benchmarks.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import language_model  # noqa: E402
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+# Each run: its compute dtype (sampler and trainer) and its loss scale. Parameters,
+# the optimizer state, the loss and the log-softmax stay float32 in every run.
+PRECISIONS = {
+    "float32": (F32, None),
+    "bfloat16": (BF16, None),
+    "float16 + lossscale": (F16, "dynamic"),
+    "float16, no loss scaling": (F16, None),
+}
+# Every program here (sampler, trainer, train step) rounds each operation's result
+# to its dtype, as written. By default XLA may keep a fused chain of 16-bit
+# operations in float32 ("excess precision"), and where it does depends on the
+# fusion: on the CPU it did so for bfloat16 (not float16) in some shapes and not
+# others, which moved the measured bfloat16 mismatch by 10-500x between programs.
+# What is measured here is the formats, not those choices.
+STRICT_ROUNDING = {"xla_allow_excess_precision": False}
+
+# The names the command lines take.
+SHORT_NAMES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16 + lossscale",
+    "float16-unscaled": "float16, no loss scaling",
+}
+FORBIDDEN = b"eE"  # the lipogram's bytes
+
+
+def new_loss_scale(spec: str | None) -> lossscale.LossScale:
+    """The loss-scale state a run starts from: dynamic, or none (a no-op)."""
+    if spec == "dynamic":
+        return lossscale.DynamicLossScale()
+    return lossscale.NoOpLossScale()
+
+
+# The sampler: an inference engine's code path, from the trainer's parameter dict.
+
+
+def _layer_norm(x: jax.Array, layer: dict[str, jax.Array]) -> jax.Array:
+    # float32, as the trainer's, but with the two-pass variance where Flax's is
+    # one-pass: an inference engine's kernels are its own, not the trainer's.
+    x = x.astype(F32)
+    mean = x.mean(-1, keepdims=True)
+    variance = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(variance + 1e-6) * layer["scale"] + layer["bias"]
+
+
+def _dense(x: jax.Array, layer: dict[str, jax.Array], compute) -> jax.Array:
+    kernel, bias = layer["kernel"].astype(compute), layer["bias"].astype(compute)
+    return x.astype(compute) @ kernel + bias
+
+
+def _decoder(
+    params: dict[str, Any],
+    tokens: jax.Array,
+    start: jax.Array | int,
+    cache: jax.Array,
+    *,
+    compute,
+    heads: int,
+    attention: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Logits of `tokens` at positions `start`, `start + 1`, ..., and the new cache.
+
+    `cache` holds every layer's keys and values, `(layers, 2, batch, capacity,
+    heads, head width)` in the compute dtype; this call writes its tokens' keys
+    and values at their positions, and each token attends to the cached ones up to
+    its own position: a prefill for a prompt, a decode step for one token.
+    """
+    batch, count = tokens.shape
+    width = params["position"].shape[1]
+    capacity = cache.shape[3]
+    positions = start + jnp.arange(count)
+    position = jax.lax.dynamic_slice_in_dim(params["position"], start, count)
+    x = (params["Embed_0"]["embedding"][tokens] + position).astype(compute)
+    visible = jnp.arange(capacity)[None, :] <= positions[:, None]  # (query, key)
+    shape = (batch, count, heads, width // heads)
+    for index in range(cache.shape[0]):
+        block = params[f"Block_{index}"]
+        h = _layer_norm(x, block["LayerNorm_0"]).astype(compute)
+        qkv = block["Dense_0"]
+        q, k, v = (
+            _dense(h, {"kernel": kernel, "bias": bias}, compute).reshape(shape)
+            for kernel, bias in zip(
+                jnp.split(qkv["kernel"], 3, axis=1),
+                jnp.split(qkv["bias"], 3),
+                strict=True,
+            )
+        )
+        keys = jax.lax.dynamic_update_slice_in_dim(cache[index, 0], k, start, 1)
+        values = jax.lax.dynamic_update_slice_in_dim(cache[index, 1], v, start, 1)
+        cache = cache.at[index].set(jnp.stack([keys, values]))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, keys) / np.sqrt(shape[-1])
+        scores = jnp.where(visible, scores.astype(F32), -jnp.inf)
+        if attention == "kernel":
+            # An attention kernel's form (FlashAttention's): the weights, not yet
+            # normalised, rounded to the compute dtype for the product with the
+            # values, then divided by their float32 sum. The trainer normalises
+            # first and rounds the probabilities: the two round other numbers.
+            weights = jnp.exp(scores - scores.max(-1, keepdims=True))
+            total = weights.sum(-1).transpose(0, 2, 1)[..., None]  # (b, q, h, 1)
+            weights = weights.astype(compute)
+            attended = jnp.einsum("bhqk,bkhd->bqhd", weights, values)
+            attended = (attended.astype(F32) / total).astype(compute)
+        else:  # "softmax": the trainer's form
+            weights = jax.nn.softmax(scores, axis=-1).astype(compute)
+            attended = jnp.einsum("bhqk,bkhd->bqhd", weights, values)
+        x = x + _dense(attended.reshape(batch, count, width), block["Dense_1"], compute)
+        h = _layer_norm(x, block["LayerNorm_1"]).astype(compute)
+        # Flax names the layers in the order they are built: the outer one first.
+        up = jax.nn.gelu(_dense(h, block["Dense_3"], compute), approximate=True)
+        x = x + _dense(up, block["Dense_2"], compute)
+    h = _layer_norm(x, params["LayerNorm_0"]).astype(compute).astype(F32)
+    return h @ params["Embed_0"]["embedding"].T, cache
+
+
+def sample(
+    params: dict[str, Any],
+    prompts: jax.Array,
+    key: jax.Array,
+    *,
+    new_tokens: int,
+    compute,
+    heads: int = 4,
+    attention: str = "kernel",
+) -> tuple[jax.Array, jax.Array]:
+    """Samples continuations token by token, as an inference engine does.
+
+    A prefill of the prompts, then one decode step per new token against a
+    key-value cache, computing in `compute` from the float32 parameters of
+    `language_model.ByteLM`; tokens are drawn at temperature 1. The attention
+    is computed as an inference kernel does (`attention="kernel"`), or as the
+    trainer's forward does (`"softmax"`, for comparison).
+
+    Args:
+      params: the model's parameters (`ByteLM`'s dict, float32).
+      prompts: `(batch, prompt length)` int32 bytes.
+      key: a JAX random key.
+      new_tokens: how many bytes to generate.
+      compute: the compute dtype (float32, bfloat16 or float16).
+      heads: the model's attention heads.
+      attention: "kernel" or "softmax".
+
+    Returns:
+      `(generated, log_probs)`: the `(batch, new_tokens)` int32 bytes, and the
+      sampler's float32 log-probabilities of every byte at each generated
+      position, `(batch, new_tokens, 256)`.
+    """
+    # All by position: jit caches on the keywords as spelled, so a call that spelled
+    # out a default would compile the sampler a second time.
+    return _sample(params, prompts, key, new_tokens, compute, heads, attention)
+
+
+@functools.partial(
+    jax.jit, static_argnums=(3, 4, 5, 6), compiler_options=STRICT_ROUNDING
+)
+def _sample(params, prompts, key, new_tokens, compute, heads, attention):
+    batch, prompt_length = prompts.shape
+    layers = sum(name.startswith("Block_") for name in params)
+    width = params["position"].shape[1]
+    capacity = prompt_length + new_tokens
+    cache = jnp.zeros((layers, 2, batch, capacity, heads, width // heads), compute)
+    decode = functools.partial(
+        _decoder, params, compute=compute, heads=heads, attention=attention
+    )
+    logits, cache = decode(prompts, 0, cache)
+
+    def step(carry, key):
+        log_probs, cache, position = carry
+        token = jax.random.categorical(key, log_probs)
+        # The last step's forward is not needed; one scan body keeps it simple.
+        logits, cache = decode(token[:, None], position, cache)
+        carry = (jax.nn.log_softmax(logits[:, 0]), cache, position + 1)
+        return carry, (token, log_probs)
+
+    first = jax.nn.log_softmax(logits[:, -1])
+    keys = jax.random.split(key, new_tokens)
+    _, (generated, log_probs) = jax.lax.scan(step, (first, cache, prompt_length), keys)
+    return generated.T.astype(jnp.int32), log_probs.transpose(1, 0, 2)
+
+
+# The trainer: the model's own full-sequence forward.
+
+
+def trainer_log_probs(model, params, tokens: jax.Array, prompt_length: int):
+    """The trainer's float32 log-probabilities at each generated position.
+
+    Args:
+      model: a `language_model.ByteLM` computing in the run's dtype.
+      params: its parameters.
+      tokens: `(batch, prompt length + new tokens)`, prompts and continuations.
+      prompt_length: where the continuations start.
+
+    Returns:
+      `(batch, new tokens, 256)` float32 log-probabilities, as `sample`'s.
+    """
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return jax.nn.log_softmax(logits[:, prompt_length - 1 :].astype(F32))
+
+
+def mismatch(sampler_log_probs, trainer_log_probs, generated) -> dict[str, jax.Array]:
+    """How far the sampler's probabilities are from the trainer's, on its samples.
+
+    With `d = log p_trainer(token) - log p_sampler(token)` at each generated
+    token (the log importance ratio):
+
+    * `abs_log_prob_diff`: the mean of `|d|` over the generated tokens;
+    * `kl_per_token` and `kl_per_sequence`: KL(sampler's next-byte distribution ||
+      trainer's) at each generated position, averaged over the positions, and
+      summed over a sequence's positions then averaged over the sequences;
+    * `max_ratio` and `min_ratio`: the largest and smallest p_trainer / p_sampler
+      over the tokens; `max_abs_log_ratio` the largest `|d|`;
+    * `abs_sequence_log_ratio`: the mean over sequences of `|sum of d|`, the log
+      of a sequence-level importance ratio.
+
+    The KL is computed as the sum over bytes of `p (e + expm1(-e))`, with `e = log
+    p_sampler - log p_trainer`: the same value as `sum p e` for two normalised
+    distributions, but a sum of non-negative terms, free of the cancellation that
+    makes `sum p e` in float32 noise at float16's mismatch (about 1e-8).
+
+    Args:
+      sampler_log_probs: `(batch, new tokens, 256)` float32, from `sample`.
+      trainer_log_probs: the same, from `trainer_log_probs`.
+      generated: `(batch, new tokens)` the sampled bytes.
+
+    Returns:
+      A dict of float32 scalars.
+    """
+    sampler_log_probs = sampler_log_probs.astype(F32)
+    trainer_log_probs = trainer_log_probs.astype(F32)
+    pick = functools.partial(_take, generated)
+    d = pick(trainer_log_probs) - pick(sampler_log_probs)
+    e = sampler_log_probs - trainer_log_probs
+    kl = jnp.sum(jnp.exp(sampler_log_probs) * (e + jnp.expm1(-e)), axis=-1)
+    return {
+        "abs_log_prob_diff": jnp.abs(d).mean(),
+        "kl_per_token": kl.mean(),
+        "kl_per_sequence": kl.sum(-1).mean(),
+        "max_ratio": jnp.exp(d.max()),
+        "min_ratio": jnp.exp(d.min()),
+        "max_abs_log_ratio": jnp.abs(d).max(),
+        "abs_sequence_log_ratio": jnp.abs(d.sum(-1)).mean(),
+    }
+
+
+def _take(tokens, log_probs):
+    return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+
+
+# The task and the objective.
+
+
+def reward(generated: jax.Array) -> jax.Array:
+    """1.0 for a continuation without the letter "e" (either case), else 0.0."""
+    hit = jnp.zeros(generated.shape, bool)
+    for byte in FORBIDDEN:
+        hit = hit | (generated == byte)
+    return 1.0 - hit.any(-1).astype(F32)
+
+
+def group_advantages(rewards: jax.Array, group: int) -> jax.Array:
+    """GRPO's advantages: each reward against its prompt's group of `group`.
+
+    `(r - mean) / (std + 1e-4)` within each group of consecutive samples; a group
+    whose rewards are all equal has advantages of 0 and teaches nothing.
+    """
+    grouped = rewards.reshape(-1, group)
+    mean = grouped.mean(-1, keepdims=True)
+    std = grouped.std(-1, keepdims=True)
+    return ((grouped - mean) / (std + 1e-4)).reshape(-1)
+
+
+def rl_loss(
+    params,
+    tokens,
+    sampler_log_probs,
+    advantages,
+    *,
+    model,
+    prompt_length: int,
+    clip: float = 0.2,
+    tokens_averaged: int | None = None,
+):
+    """The clipped policy-gradient loss, with the sampler's log-probs in it.
+
+    Per generated token, ratio = exp(log p_trainer - stop_gradient(log
+    p_sampler)) and the objective min(ratio * A, clip(ratio, 1 - clip, 1 + clip) *
+    A), A the sequence's group-normalised advantage; the loss is minus its mean
+    over the tokens. With one update per batch the ratio is 1 up to the mismatch.
+
+    Args:
+      params: the policy's float32 parameters.
+      tokens: `(batch, prompt length + new tokens)` int32.
+      sampler_log_probs: `(batch, new tokens, 256)` float32, from `sample`.
+      advantages: `(batch,)` float32.
+      model: a `ByteLM` computing in the run's dtype.
+      prompt_length: where the continuations start.
+      clip: PPO's clipping range.
+      tokens_averaged: the number of tokens the mean divides by, if not this
+        batch's (a micro-batch of a larger batch is divided by that batch's
+        count); for the underflow sweep.
+
+    Returns:
+      `(loss, mismatch)`: the float32 loss, and `mismatch`'s dict for this batch.
+    """
+    generated = tokens[:, prompt_length:]
+    trainer = trainer_log_probs(model, params, tokens, prompt_length)
+    sampler = jax.lax.stop_gradient(sampler_log_probs)
+    ratio = jnp.exp(_take(generated, trainer) - _take(generated, sampler))
+    advantage = advantages[:, None]
+    objective = jnp.minimum(
+        ratio * advantage, jnp.clip(ratio, 1 - clip, 1 + clip) * advantage
+    )
+    count = objective.size if tokens_averaged is None else tokens_averaged
+    return -objective.sum() / count, mismatch(sampler, trainer, generated)
+
+
+class Program(NamedTuple):
+    """What one precision's run compiles once: the model, optimizer, loss, step."""
+
+    model: Any
+    tx: optax.GradientTransformation
+    loss_fn: Any
+    train_step: Any
+
+
+@functools.cache
+def program(compute, learning_rate: float, prompt_length: int, width: int, layers):
+    """The trainer's model, Adam, the loss and the jitted step, for `compute`.
+
+    Cached, so that runs of several seeds in one process compile the step once.
+    """
+    model = language_model.ByteLM(width=width, layers=layers, compute=compute)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
+    loss_fn = functools.partial(rl_loss, model=model, prompt_length=prompt_length)
+
+    @functools.partial(jax.jit, compiler_options=STRICT_ROUNDING)
+    def train_step(params, opt_state, loss_scale, tokens, sampler_lp, advantages):
+        (loss, aux), grads = lossscale.value_and_grad(loss_fn, has_aux=True)(
+            loss_scale, params, tokens, sampler_lp, advantages
+        )
+        params, opt_state, loss_scale = lossscale.apply_gradients(
+            tx,
+            grads=grads,  # of the scaled loss
+            params=params,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            value=loss,  # a non-finite loss is skipped without backing off
+        )
+        return params, opt_state, loss_scale, loss, aux
+
+    return Program(model, tx, loss_fn, train_step)
+
+
+def prompt_stream(data: np.ndarray, prompts: int, length: int, seed: int) -> Iterator:
+    """Endless batches of `prompts` random windows of `length` bytes of `data`."""
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(data) - length, prompts)
+        yield jnp.asarray(np.stack([data[s : s + length] for s in starts]), jnp.int32)
+
+
+def pretrain(steps: int, seed: int = 0, batch: int = 64, evals: int = 4):
+    """`benchmarks/language_model.py`'s float32 training: (params, held-out loss).
+
+    `steps` of Adam on `batch` windows of 128 bytes; the held-out loss (nats per
+    byte) is the mean over `evals` batches of 64.
+    """
+    data, held_out = language_model.corpus()
+    args = argparse.Namespace(
+        steps=steps,
+        batch=batch,
+        context=128,
+        learning_rate=3e-3,
+        eval_batches=evals,
+        float16_norms=False,
+    )
+    run = language_model.train("float32", args, data, held_out, seed)
+    return run["params"], run["held_out_loss"]
+
+
+def rollout(params, prompts, key, *, compute, group: int, new_tokens: int):
+    """One on-policy batch: `group` samples per prompt from the sampler.
+
+    Returns:
+      `(tokens, sampler_log_probs, advantages, rewards)`: prompts and
+      continuations, the sampler's log-probabilities, the group-normalised
+      advantages and the rewards.
+    """
+    prompts = jnp.repeat(prompts, group, axis=0)
+    generated, sampler_lp = sample(
+        params, prompts, key, new_tokens=new_tokens, compute=compute
+    )
+    rewards = reward(generated)
+    tokens = jnp.concatenate([prompts, generated], axis=1)
+    return tokens, sampler_lp, group_advantages(rewards, group), rewards
+
+
+def shape_of(params) -> tuple[int, int]:
+    """The width and the number of blocks of a `ByteLM`'s parameters."""
+    layers = sum(name.startswith("Block_") for name in params)
+    return params["position"].shape[1], layers
+
+
+def fine_tune(
+    params,
+    precision: str,
+    *,
+    steps: int,
+    seed: int,
+    prompts: int = 8,
+    group: int = 8,
+    prompt_length: int = 16,
+    new_tokens: int = 32,
+    learning_rate: float = 1e-4,
+    run_preflight: bool = True,
+    on_step=None,
+):
+    """RL fine-tuning from `params` in one precision; the per-step record.
+
+    Args:
+      params: the pretrained float32 parameters (kept float32: master weights).
+      precision: a key of `PRECISIONS`.
+      steps: RL steps (one sampled batch and one update each).
+      seed: prompts and sampling.
+      prompts: prompts per step.
+      group: samples per prompt.
+      prompt_length: bytes of each prompt.
+      new_tokens: bytes sampled per continuation.
+      learning_rate: Adam's.
+      run_preflight: run `lossscale.preflight` on the first batch (and print it).
+      on_step: called as `on_step(step, params, batch, loss_scale)` before each
+        update, `batch` as `rollout` returns it (the benchmark measures the
+        gradients lost to underflow there).
+
+    Returns:
+      A dict: the final `params`, the `preflight` report (or None), and per step
+      the mean `reward`, the `loss`, the `mismatch` dict, the loss `scale` and the
+      `skipped` steps so far.
+    """
+    compute, scale_spec = PRECISIONS[precision]
+    run = program(compute, learning_rate, prompt_length, *shape_of(params))
+    opt_state, loss_scale = run.tx.init(params), new_loss_scale(scale_spec)
+    data, _ = language_model.corpus()
+    stream = prompt_stream(data, prompts, prompt_length, seed)
+    draw = functools.partial(
+        rollout, compute=compute, group=group, new_tokens=new_tokens
+    )
+    keys = jax.random.split(jax.random.key(seed), steps)
+    batch = draw(params, next(stream), keys[0])
+    report = None
+    if run_preflight:
+        # Once, before training, on a real batch: what in this program would fail
+        # in float16, and where a dynamic scale should start.
+        report = lossscale.preflight(
+            run.loss_fn,
+            params,
+            *batch[:3],
+            optimizer=run.tx,
+            loss_scale=loss_scale,
+            has_aux=True,
+        )
+        print(f"== preflight, {precision}\n{report}", file=sys.stderr)
+    history = {name: [] for name in ("reward", "loss", "mismatch", "scale", "skipped")}
+    for step in range(steps):
+        if step:
+            batch = draw(params, next(stream), keys[step])
+        tokens, sampler_lp, advantages, rewards = batch
+        if on_step is not None:
+            on_step(step, params, batch, loss_scale)
+        params, opt_state, loss_scale, loss, aux = run.train_step(
+            params, opt_state, loss_scale, tokens, sampler_lp, advantages
+        )
+        metrics = lossscale.metrics(loss_scale)
+        history["reward"].append(rewards.mean())
+        history["loss"].append(loss)
+        history["mismatch"].append(aux)
+        history["scale"].append(metrics["loss_scale"])
+        history["skipped"].append(metrics["skipped_steps"])
+    # One transfer at the end: the loop never waits for the device.
+    history = jax.tree.map(lambda x: x.item(), jax.device_get(history))
+    return {"params": params, "preflight": report, **history}
+
+
+def main(argv=None):
+    """Pretrains, runs `preflight`, fine-tunes in one precision, prints the record."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--precision", default="float16", choices=SHORT_NAMES)
+    parser.add_argument("--pretrain-steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a short run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.pretrain_steps, args.steps = 40, 10
+    precision = SHORT_NAMES[args.precision]
+    start = time.perf_counter()
+    params, held_out = pretrain(args.pretrain_steps, seed=0)
+    print(f"pretrained: held-out loss {held_out:.3f} nats/byte", file=sys.stderr)
+    run = fine_tune(params, precision, steps=args.steps, seed=args.seed)
+    print(f"{'step':>4} {'reward':>6} {'|dlogp|':>9} {'scale':>7} {'skipped':>7}")
+    for step in range(args.steps):
+        if step % 5 == 0 or step == args.steps - 1:
+            print(
+                f"{step:4d} {run['reward'][step]:6.3f}"
+                f" {run['mismatch'][step]['abs_log_prob_diff']:9.2e}"
+                f" {run['scale'][step]:7g} {run['skipped'][step]:7d}"
+            )
+    print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return run
+
+
+if __name__ == "__main__":
+    main()
