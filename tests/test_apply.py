@@ -474,3 +474,28 @@ def test_clip_norm_costs_no_pass_of_its_own_in_xla_bytes():
     assert ours <= plain_bytes + extra_read * 1.05, ours / plain_bytes
     assert ours < 0.8 * chain_bytes, ours / chain_bytes
     assert temp <= 0.05 * extra_read, temp
+
+
+def test_arguments_by_position_get_the_call_that_works():
+    # Issue 42: Python's "takes 1 positional argument" named no fix.
+    tx, params, good = _sgd_arguments()
+    with pytest.raises(TypeError, match=r"grads=grads, params=params"):
+        lossscale.apply_gradients(tx, good["grads"], params, good["opt_state"])
+    wrapped = lossscale.wrap(tx)
+    with pytest.raises(TypeError, match=r"value=loss"):
+        wrapped.update(good["grads"], wrapped.init(params), params, jnp.float32(1.0))
+    # The optimizer's step mistaken for `lossscale.update`: say which is which.
+    with pytest.raises(TypeError, match=r"optimizer's step itself is `tx.update"):
+        lossscale.update(good["grads"], good["opt_state"])
+
+
+def test_train_state_apply_gradients_by_position_gets_the_keyword():
+    flax_training = pytest.importorskip("lossscale.flax")
+    _, params, good = _sgd_arguments()
+    state = flax_training.TrainState.create(
+        apply_fn=None, params=params, tx=optax.sgd(0.1)
+    )
+    with pytest.raises(TypeError, match=r"apply_gradients\(grads=grads\)"):
+        state.apply_gradients(good["grads"])
+    # By keyword it runs.
+    assert state.apply_gradients(grads=good["grads"]).step == 1

@@ -245,17 +245,36 @@ def test_new_fp8_values_of_another_shape_are_refused(shape, match):
         wrapped.update(grads, wrapped.init(params), params)
 
 
-def test_multisteps_around_wrap_with_fp8_is_refused_and_says_what_to_do():
+@pytest.mark.parametrize("loss_scale", ["dynamic", None], ids=["dynamic", "no-op"])
+def test_multisteps_around_wrap_with_fp8_is_refused_at_init(loss_scale):
+    # Issue 42, item 9: with a `NoOpLossScale` nothing looks the state up, so
+    # the refusal must come at `init`, whatever the kind.
     params = variables()
-    tx = optax.MultiSteps(lossscale.wrap(optax.sgd(0.1)), every_k_schedule=2)
-    opt_state = tx.init(params)
+    tx = optax.MultiSteps(
+        lossscale.wrap(optax.sgd(0.1), loss_scale), every_k_schedule=2
+    )
     with pytest.raises(ValueError, match=r"lossscale.wrap\(optax.MultiSteps\(inner"):
-        lossscale.scale_loss(jnp.float32(1.0), opt_state)
-    with pytest.raises(ValueError, match="averaging the scales"):
-        lossscale.get_loss_scale(opt_state)
+        tx.init(params)
     # Without fp8 variables the order is fine, and the state is found.
     plain = tx.init({"params": params["params"]})
-    assert float(lossscale.get_loss_scale(plain).scale) == 2.0**15
+    assert lossscale.get_loss_scale(plain) is not None
+    # Inside the wrap, fp8 variables are accepted.
+    inside = lossscale.wrap(optax.MultiSteps(optax.sgd(0.1), 2), loss_scale)
+    inside.init(params)
+
+
+def test_a_restored_multisteps_state_around_wrap_with_fp8_is_refused_on_lookup():
+    # A state built another way (restored, say) is still refused where it is read.
+    params = variables()
+    tx = optax.MultiSteps(lossscale.wrap(optax.sgd(0.1)), every_k_schedule=2)
+    plain = tx.init({"params": params["params"]})
+    acc = {
+        **plain.acc_grads,
+        "_overwrite_with_gradient": params["_overwrite_with_gradient"],
+    }
+    opt_state = plain._replace(acc_grads=acc)
+    with pytest.raises(ValueError, match="averaging the scales"):
+        lossscale.get_loss_scale(opt_state)
 
 
 def test_multisteps_outside_wrap_with_fp8_is_refused_and_says_to_wrap_it():

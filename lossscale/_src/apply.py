@@ -14,6 +14,11 @@ from lossscale._src import step
 from lossscale._src.kind import LossScale
 
 
+@checks.by_keyword(
+    1,
+    "`lossscale.apply_gradients(tx, grads=grads, params=params,"
+    " opt_state=opt_state, loss_scale=loss_scale)`",
+)
 def apply_gradients(
     tx: optax.GradientTransformation,
     *,

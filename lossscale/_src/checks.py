@@ -6,8 +6,10 @@ never on traced values.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -16,6 +18,29 @@ import numpy as np
 import optax
 
 AxisName = str | tuple[str, ...]
+
+
+def by_keyword(positional: int, example: str) -> Callable[[Callable], Callable]:
+    """A decorator: more than `positional` arguments by position raise a TypeError.
+
+    For functions whose other arguments are keyword-only: the error shows
+    `example`, the call that works, not Python's bare count.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > positional:
+                raise TypeError(
+                    f"`{fn.__name__}` takes {positional} argument(s) by position and"
+                    f" the rest by keyword; got {len(args)} by position. Call it as"
+                    f" {example}."
+                )
+            return fn(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def validate_axis_name(axis_name: Any) -> AxisName | None:

@@ -131,6 +131,7 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
+    @checks.by_keyword(1, "`state.apply_gradients(grads=grads)`")
     def apply_gradients(self, *, grads, value=None, **kwargs) -> TrainState:
         """Applies the gradients of the scaled loss, or skips them if not finite.
 

@@ -9,6 +9,7 @@ checked or fed to the optimizer, and they are written only on applied steps
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
@@ -96,6 +97,30 @@ def refuse_accumulated_outside(state: optax.MultiStepsState) -> None:
             " the wrap instead: `lossscale.wrap(optax.MultiSteps(inner, k))`, which"
             " combines them with max until the inner optimizer steps."
         )
+
+
+def refuse_initialised_by_multisteps() -> None:
+    """Raises if `optax.MultiSteps.init` is what initialises a wrap with fp8 values.
+
+    Whatever the kind (a `NoOpLossScale` too, whose user never looks the state
+    up), `MultiSteps(wrap(...))` would average the collection; refused at `init`,
+    before a step has run. Found from the caller's frame: the wrap cannot see
+    what holds it otherwise.
+    """
+    frame = sys._getframe(1)
+    for _ in range(4):  # wrap's init, optax's with_extra_args, MultiSteps.init
+        frame = frame.f_back
+        if frame is None:
+            return
+        if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+            raise ValueError(
+                f"`optax.MultiSteps(lossscale.wrap(...))` with Flax's fp8 `{OVERWRITE}`"
+                " collection in the parameters would average its scales and amax"
+                " histories with the gradients (and an unused op's -inf makes them"
+                " NaN for good). Accumulate inside the wrap instead:"
+                " `lossscale.wrap(optax.MultiSteps(inner, k))`, which combines them"
+                " with max until the inner optimizer steps."
+            )
 
 
 def trainable(params: Any) -> Any:

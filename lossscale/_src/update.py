@@ -56,6 +56,10 @@ def update(
             "`loss_scale` must be a loss-scale state (a `lossscale.LossScale`, e.g."
             f" `DynamicLossScale`), got {type(loss_scale).__name__}. To read one out"
             " of an optimizer state, use `lossscale.get_loss_scale(opt_state)`."
+            " `lossscale.update(loss_scale, grads_finite)` moves a loss-scale state"
+            " after a step; the optimizer's step itself is `tx.update(grads,"
+            " opt_state, params)` of `lossscale.wrap(tx)`, or"
+            " `lossscale.apply_gradients(tx, grads=..., params=..., ...)`."
         )
     grads_finite = checks.as_predicate(
         "grads_finite", grads_finite, "lossscale.all_finite(grads)"

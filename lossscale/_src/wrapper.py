@@ -101,6 +101,8 @@ def wrap(
 
     def init_fn(params):
         trainable, fp8_metadata = fp8.split_off(params, "params")
+        if fp8_metadata is not None:
+            fp8.refuse_initialised_by_multisteps()
         inner_state = inner.init(trainable)
         lookup.refuse_wrapped(inner_state, "inner", "`lossscale.wrap`")
         # Under accumulation, fp8 metadata combine with max until the inner
@@ -111,7 +113,14 @@ def wrap(
         # Fresh buffers on every call, so the state is safe to donate.
         return WrapState(fresh_copy(template), inner_state, pending)
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, *positional, **extra_args):
+        if positional:
+            raise TypeError(
+                f"`update` takes the gradients, the state and the parameters by"
+                f" position, and the rest by keyword; got {len(positional)} more"
+                " positional argument(s). Pass the loss as `value=`:"
+                " `tx.update(grads, opt_state, params, value=loss)`."
+            )
         if not isinstance(state, WrapState):
             raise TypeError(
                 "`state` must be the `WrapState` returned by this transformation's"
