@@ -60,3 +60,18 @@ def test_readme_links_every_guide_and_migration_page():
     text = README.read_text()
     for page in pages:
         assert f"(docs/{page.relative_to(docs).as_posix()})" in text, page.name
+
+
+def test_which_entry_point_is_said_once_in_the_same_words_everywhere():
+    # Issue 42: the README, getting started and the Flax guide each opened with
+    # another recipe; each says when to use which, in one paragraph, the same.
+    root = README.parent
+    found = {}
+    for name in ("README.md", "docs/getting_started.md", "docs/guides/flax.md"):
+        text = (root / name).read_text()
+        paragraphs = re.findall(r"\*\*Which entry point\.\*\*.*?\n\n", text, re.S)
+        assert len(paragraphs) == 1, (name, len(paragraphs))
+        found[name] = paragraphs[0]
+    assert len(set(found.values())) == 1, found
+    for name in ("value_and_grad", "apply_gradients", "wrap(tx)", "TrainState"):
+        assert name in found["README.md"], name
