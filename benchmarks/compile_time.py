@@ -39,6 +39,11 @@ import time
 import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+if any(arg.startswith("--target") for arg in sys.argv) and "cpu" not in sys.argv:
+    # Compiled for a device this machine need not have: no driver or chip is
+    # looked for, which must be said before JAX is imported (as compiled.py).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -296,7 +301,6 @@ def main(argv=None):
         parser.error(f"--parts: unknown {unknown}; known: optimizer, {list(PARTS)}")
     device = None
     if args.target != "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
         import compiled as aot
 
         device = aot.device_for(args.target)
