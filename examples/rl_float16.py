@@ -425,6 +425,9 @@ def pretrain(steps: int, seed: int = 0, batch: int = 64, evals: int = 4):
         learning_rate=3e-3,
         eval_batches=evals,
         float16_norms=False,
+        width=64,
+        layers=2,
+        heads=4,
     )
     run = language_model.train("float32", args, data, held_out, seed)
     return run["params"], run["held_out_loss"]
