@@ -229,31 +229,35 @@ def _row_probes(leaf: jax.Array, square: bool) -> jax.Array:
 
 
 def _each(arrays, positions, square):
-    """TPU: one reduction per leaf, to a flag or a sum of squares (design.md)."""
+    """TPU: one reduction per leaf, the probes combined as scalars (design.md)."""
     if square:
-        probes = _stack([_sum_of_squares(leaf) for leaf in arrays])
-        return _combine(probes, np.asarray(positions, np.int32))
-    # A flag per leaf: the TPU compiler then needs no temp buffer, where a sum of
-    # `x - x` needs one (design.md).
-    flags = _stack([_all_finite(leaf) for leaf in arrays])
-    every = lax.reduce_and(flags, (0,))
-    total = lax.select(every, np.float32(0.0), np.float32(np.nan))
-    none = np.full(len(positions), _NONE, np.int32)
-    first = lax.reduce_min(
-        lax.select(flags, none, np.asarray(positions, np.int32)), (0,)
-    )
-    return total, lax.select(every, np.int32(-1), first)
+        probes = [_sum_of_squares(leaf) for leaf in arrays]
+        bad = [lax.bitwise_not(lax.is_finite(probe)) for probe in probes]
+    else:
+        # A flag per leaf, then a float probe: the TPU compiler then needs no temp
+        # buffer, where a sum of `x - x` needs one; stacking the flags costs it an
+        # unfused concatenate and a temp buffer too (design.md).
+        nan, zero = np.float32(np.nan), np.float32(0.0)
+        bad = [_any_nonfinite(leaf) for leaf in arrays]
+        probes = [lax.select(flag, nan, zero) for flag in bad]
+    total = probes[0]
+    for probe in probes[1:]:
+        total = lax.add(total, probe)
+    first = np.int32(-1)
+    for position, flag in zip(reversed(positions), reversed(bad), strict=True):
+        first = lax.select(flag, np.int32(position), first)
+    return total, jnp.asarray(first, jnp.int32)
 
 
-def _all_finite(leaf: jax.Array) -> jax.Array:
-    """Whether every element is finite: a complex one's parts, not its modulus."""
+def _any_nonfinite(leaf: jax.Array) -> jax.Array:
+    """Whether an element is not finite: a complex one's parts, not its modulus."""
     if jnp.issubdtype(leaf.dtype, jnp.complexfloating):
         finite = lax.bitwise_and(
             lax.is_finite(lax.real(leaf)), lax.is_finite(lax.imag(leaf))
         )
     else:
         finite = lax.is_finite(leaf)
-    return lax.reduce_and(finite, _axes(leaf))
+    return lax.reduce_or(lax.bitwise_not(finite), _axes(leaf))
 
 
 def _stack_probes(values: list[jax.Array], square: bool) -> jax.Array:
