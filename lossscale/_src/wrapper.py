@@ -116,7 +116,7 @@ def wrap(
     def update_fn(updates, state, params=None, *positional, **extra_args):
         if positional:
             raise TypeError(
-                f"`update` takes the gradients, the state and the parameters by"
+                "`update` takes the gradients, the state and the parameters by"
                 f" position, and the rest by keyword; got {len(positional)} more"
                 " positional argument(s). Pass the loss as `value=`:"
                 " `tx.update(grads, opt_state, params, value=loss)`."
