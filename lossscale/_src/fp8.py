@@ -83,6 +83,15 @@ def refuse_accumulation(params: Any, opt_state: Any, owner: str) -> None:
         )
 
 
+_ACCUMULATED_OUTSIDE = (
+    f"`optax.MultiSteps(lossscale.wrap(...))` accumulates Flax's fp8 `{OVERWRITE}`"
+    " collection as gradients, averaging the scales and amax histories (and an"
+    " unused op's -inf makes them NaN). Accumulate inside the wrap instead:"
+    " `lossscale.wrap(optax.MultiSteps(inner, k))`, which combines them with max"
+    " until the inner optimizer steps."
+)
+
+
 def refuse_accumulated_outside(state: optax.MultiStepsState) -> None:
     """Raises if an `optax.MultiSteps` state around a wrap accumulates the collection.
 
@@ -90,13 +99,7 @@ def refuse_accumulated_outside(state: optax.MultiStepsState) -> None:
     unused op's -inf makes them NaN for good.
     """
     if isinstance(state.acc_grads, Mapping) and OVERWRITE in state.acc_grads:
-        raise ValueError(
-            f"`optax.MultiSteps(lossscale.wrap(...))` accumulates Flax's fp8"
-            f" `{OVERWRITE}` collection as gradients, averaging the scales and amax"
-            " histories (and an unused op's -inf makes them NaN). Accumulate inside"
-            " the wrap instead: `lossscale.wrap(optax.MultiSteps(inner, k))`, which"
-            " combines them with max until the inner optimizer steps."
-        )
+        raise ValueError(_ACCUMULATED_OUTSIDE)
 
 
 def refuse_initialised_by_multisteps() -> None:
@@ -104,23 +107,16 @@ def refuse_initialised_by_multisteps() -> None:
 
     Whatever the kind (a `NoOpLossScale` too, whose user never looks the state
     up), `MultiSteps(wrap(...))` would average the collection; refused at `init`,
-    before a step has run. Found from the caller's frame: the wrap cannot see
+    before a step has run. Found from the caller's frames: the wrap cannot see
     what holds it otherwise.
     """
-    frame = sys._getframe(1)
-    for _ in range(4):  # wrap's init, optax's with_extra_args, MultiSteps.init
+    frame = sys._getframe(1)  # wrap's `init`
+    for _ in range(4):  # `MultiSteps.init`, or a chain or two between
         frame = frame.f_back
         if frame is None:
             return
         if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
-            raise ValueError(
-                f"`optax.MultiSteps(lossscale.wrap(...))` with Flax's fp8 `{OVERWRITE}`"
-                " collection in the parameters would average its scales and amax"
-                " histories with the gradients (and an unused op's -inf makes them"
-                " NaN for good). Accumulate inside the wrap instead:"
-                " `lossscale.wrap(optax.MultiSteps(inner, k))`, which combines them"
-                " with max until the inner optimizer steps."
-            )
+            raise ValueError(_ACCUMULATED_OUTSIDE)
 
 
 def trainable(params: Any) -> Any:

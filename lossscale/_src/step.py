@@ -160,15 +160,17 @@ def guarded_step(
     skipped = [None] * (out_tree.num_leaves - kept_count)
     skipped += range(first_kept, first_kept + kept_count)
 
+    inner = _inner(traced)
+
     def select(*leaves):
-        selected = split_step.select(_inner(traced), leaves, applied, skipped)
+        selected = split_step.select(inner, leaves, applied, skipped)
         if selected is not None:
             return selected
         new = jax.tree.leaves(jitted(*jax.tree.unflatten(in_tree, leaves)))
         return _select(applied, new, leaves, skipped, traced.jaxpr.outvars, set())
 
     def conds(*leaves):
-        step = split_step.plan(_inner(traced))
+        step = split_step.plan(inner)
         flat, decided = split_step.conds(step, leaves, applied, skipped)
         return _select(
             applied, flat, leaves, skipped, step.closed.jaxpr.outvars, decided
