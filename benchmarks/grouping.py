@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lossscale
-from lossscale._src import finite
+from lossscale._src.step import finite
 
 
 def max_min_stacks(leaves):

@@ -116,8 +116,8 @@ def study_select_instead_of_cond(params):
     # Not shipped on the CPU: the one-call step with the skip as a select over
     # params and optimizer state instead of a cond, on every backend (the form
     # lowered for GPUs and TPUs), to see what XLA:CPU makes of it.
-    from lossscale._src import finite
-    from lossscale._src import unscaling
+    from lossscale._src.step import finite
+    from lossscale._src.step import unscaling
 
     tx = inner()
 

@@ -8,32 +8,32 @@ Before the first step, `preflight` says what in a float16 program will fail.
 Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
-from lossscale._src.apply import apply_gradients
-from lossscale._src.checkpoints import check_config
-from lossscale._src.checkpoints import checkpoint_0_2_layout
-from lossscale._src.checkpoints import from_checkpoint_0_2
-from lossscale._src.diagnostics import grad_stats
-from lossscale._src.diagnostics import metrics
-from lossscale._src.findings import Finding
-from lossscale._src.findings import PreflightReport
-from lossscale._src.functional import all_finite
-from lossscale._src.functional import scale_loss
-from lossscale._src.functional import unscale_grads
-from lossscale._src.grad import value_and_grad
-from lossscale._src.kind import LossScale
-from lossscale._src.kind_fields import field
-from lossscale._src.kinds import DynamicLossScale
-from lossscale._src.kinds import NoOpLossScale
-from lossscale._src.kinds import StaticLossScale
-from lossscale._src.leaf_path import leaf_path
-from lossscale._src.locate import OverflowReport
-from lossscale._src.locate import locate_overflow
-from lossscale._src.lookup import get_loss_scale
-from lossscale._src.preflight import preflight
-from lossscale._src.step_check import preflight_step
-from lossscale._src.update import update
-from lossscale._src.wrapper import WrapState
-from lossscale._src.wrapper import wrap
+from lossscale._src.api.apply import apply_gradients
+from lossscale._src.api.functional import all_finite
+from lossscale._src.api.functional import scale_loss
+from lossscale._src.api.functional import unscale_grads
+from lossscale._src.api.grad import value_and_grad
+from lossscale._src.api.lookup import get_loss_scale
+from lossscale._src.api.wrapper import WrapState
+from lossscale._src.api.wrapper import wrap
+from lossscale._src.compat.checkpoints import check_config
+from lossscale._src.compat.checkpoints import checkpoint_0_2_layout
+from lossscale._src.compat.checkpoints import from_checkpoint_0_2
+from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.findings import PreflightReport
+from lossscale._src.diagnostics.leaf_path import leaf_path
+from lossscale._src.diagnostics.locate import OverflowReport
+from lossscale._src.diagnostics.locate import locate_overflow
+from lossscale._src.diagnostics.preflight import preflight
+from lossscale._src.diagnostics.stats import grad_stats
+from lossscale._src.diagnostics.stats import metrics
+from lossscale._src.diagnostics.step_check import preflight_step
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kind_fields import field
+from lossscale._src.state.kinds import DynamicLossScale
+from lossscale._src.state.kinds import NoOpLossScale
+from lossscale._src.state.kinds import StaticLossScale
+from lossscale._src.state.update import update
 
 __version__ = "0.3.0.dev0"
 
@@ -69,6 +69,6 @@ __all__ = (
 
 def __getattr__(name: str):
     # lossscale 0.2's removed names: an alias that warns, or an error naming 0.3's.
-    from lossscale._src import compat_0_2
+    from lossscale._src.compat import compat_0_2
 
     return compat_0_2.module_attribute(name)

@@ -5,7 +5,7 @@
 (`import lossscale.flax`); `import lossscale` alone never imports Flax.
 """
 
-from lossscale._src.flax_training import Optimizer
-from lossscale._src.flax_training import TrainState
+from lossscale._src.api.flax_training import Optimizer
+from lossscale._src.api.flax_training import TrainState
 
 __all__ = ("Optimizer", "TrainState")

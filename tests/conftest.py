@@ -81,7 +81,7 @@ def backend_form(request, monkeypatch):
     select instead of a cond) are plain JAX: on the CPU they must give the CPU
     form's results, bit for bit.
     """
-    from lossscale._src import finite
+    from lossscale._src.step import finite
 
     def chosen(*args, cpu, gpu, tpu):
         return {"cpu": cpu, "gpu": gpu, "tpu": tpu}[request.param](*args)

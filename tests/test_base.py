@@ -1,4 +1,4 @@
-"""The base class (`_src/kind.py`, `kind_fields.py`, `kind_validation.py`):
+"""The base class (`_src/state/kind.py`, `kind_fields.py`, `kind_validation.py`):
 user-defined kinds work wherever the built-in kinds do, and mistakes are refused.
 
 TF contrib's test manager (+1 after a finite step, -1 after a non-finite one) and a

@@ -1,6 +1,6 @@
-"""Checkpoints (`_src/checkpoints.py`): `get_config`, `from_config` and `check_config`,
-and a lossscale 0.2 checkpoint (`data/checkpoint_0_2`, written by 0.2 with
-`data/make_checkpoint_0_2.py`) restored into 0.3 states, field by field.
+"""Checkpoints (`_src/compat/checkpoints.py`): `get_config`, `from_config` and
+`check_config`, and a lossscale 0.2 checkpoint (`data/checkpoint_0_2`, written by
+0.2 with `data/make_checkpoint_0_2.py`) restored into 0.3 states, field by field.
 """
 
 import json

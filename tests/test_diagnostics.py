@@ -1,5 +1,6 @@
-"""Diagnostics (`_src/diagnostics.py`): forward vs backward overflows (`value=`), the
-stuck indicator and `metrics`, optax pitfalls, and `grad_stats` against numpy.
+"""Diagnostics (`_src/diagnostics/stats.py`): forward vs backward overflows
+(`value=`), the stuck indicator and `metrics`, optax pitfalls, and `grad_stats`
+against numpy.
 """
 
 import jax

@@ -1,5 +1,5 @@
-"""The functional API (`_src/functional.py`): scale_loss, unscale_grads and all_finite,
-against numpy."""
+"""The functional API (`_src/api/functional.py`): scale_loss, unscale_grads and
+all_finite, against numpy."""
 
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st

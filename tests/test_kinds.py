@@ -1,5 +1,5 @@
-"""The built-in kinds and `update` (`_src/kinds.py`, `_src/update.py`): the dynamic
-rule against a pure-Python model, settings as static data, bad settings."""
+"""The built-in kinds and `update` (`_src/state/kinds.py`, `_src/state/update.py`):
+the dynamic rule against a pure-Python model, settings as static data, bad settings."""
 
 import copy
 import json

@@ -1,5 +1,5 @@
-"""Finding the loss-scale state (`_src/lookup.py`): every function that takes "a state
-or a tree holding one" finds it the same way and fails the same way."""
+"""Finding the loss-scale state (`_src/api/lookup.py`): every function that takes
+"a state or a tree holding one" finds it the same way and fails the same way."""
 
 import jax.numpy as jnp
 import optax

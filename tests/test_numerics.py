@@ -1,4 +1,4 @@
-"""Numerics (`_src/finite.py`) on trees the size and shape of real models: many
+"""Numerics (`_src/step/finite.py`) on trees the size and shape of real models: many
 small leaves, odd sizes, 1000 leaves.
 
 The finiteness check and the clipping norm reduce small leaves in groups
@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import settings
 
 import lossscale
-from lossscale._src import finite
+from lossscale._src.step import finite
 
 pytestmark = pytest.mark.usefixtures("strict_promotion")
 

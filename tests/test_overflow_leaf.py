@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import lossscale
 import lossscale.flax
-from lossscale._src import finite
-from lossscale._src import unscaling
+from lossscale._src.step import finite
+from lossscale._src.step import unscaling
 
 
 def reference_first_nonfinite(leaves):

@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
-from lossscale._src import interpret
-from lossscale._src.findings import Finding
-from lossscale._src.probe import Evaluation
-from lossscale._src.probe import Probe
-from lossscale._src.program import Program
-from lossscale._src.program import trace
+from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.probe import Evaluation
+from lossscale._src.diagnostics.probe import Probe
+from lossscale._src.diagnostics.program import Program
+from lossscale._src.diagnostics.program import trace
 
 F16 = np.dtype(np.float16)
 F16_MAX = float(np.finfo(np.float16).max)

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale._src import interpret
-from lossscale._src.findings import Finding
-from lossscale._src.kind import LossScale
-from lossscale._src.kinds import NoOpLossScale
-from lossscale._src.program import Program
-from lossscale._src.program import flatten_with_paths
+from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.program import Program
+from lossscale._src.diagnostics.program import flatten_with_paths
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kinds import NoOpLossScale
 
 # An update this much larger than float32's is "huge" (a subnormal denominator).
 HUGE = 8.0

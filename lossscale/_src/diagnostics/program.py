@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import grad
+from lossscale._src.api import grad
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,10 +8,10 @@ import jax
 import optax
 
 from lossscale._src import checks
-from lossscale._src import fp8
-from lossscale._src import lookup
-from lossscale._src import step
-from lossscale._src.kind import LossScale
+from lossscale._src.api import lookup
+from lossscale._src.state.kind import LossScale
+from lossscale._src.step import fp8
+from lossscale._src.step import step
 
 
 @checks.by_keyword(

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import deprecation
-from lossscale._src import kind_fields
-from lossscale._src import kind_validation
-from lossscale._src.kind_fields import field
+from lossscale._src.state import kind_fields
+from lossscale._src.state import kind_validation
+from lossscale._src.state.kind_fields import field
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)

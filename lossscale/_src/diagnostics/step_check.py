@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import kind_fields
-from lossscale._src import kinds
-from lossscale._src import lookup
-from lossscale._src.findings import Finding
-from lossscale._src.findings import PreflightReport
-from lossscale._src.findings import power
-from lossscale._src.kind import LossScale
-from lossscale._src.kinds import StaticLossScale
-from lossscale._src.wrapper import WrapState
+from lossscale._src.api import lookup
+from lossscale._src.api.wrapper import WrapState
+from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.findings import PreflightReport
+from lossscale._src.diagnostics.findings import power
+from lossscale._src.state import kind_fields
+from lossscale._src.state import kinds
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kinds import StaticLossScale
 
 # An update that differs by more than 2**-8 of its norm between the two scales
 # differs by more than rounding: scaling by a power of two is exact, and the
@@ -146,7 +146,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
 def _fix(state: Any, unscaled: bool) -> str:
     """The fix of either mistake, for the API that holds the loss-scale state."""
     # A `lossscale.flax.TrainState` exists only once its module is imported.
-    module = sys.modules.get("lossscale._src.flax_training")
+    module = sys.modules.get("lossscale._src.api.flax_training")
     train_state = getattr(module, "TrainState", WrapState)
     nodes = jax.tree.leaves(
         state, is_leaf=lambda x: isinstance(x, WrapState | train_state)

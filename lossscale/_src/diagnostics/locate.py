@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import checks
-from lossscale._src import functional
-from lossscale._src import interpret
-from lossscale._src import kinds
-from lossscale._src import lookup
-from lossscale._src import program
+from lossscale._src.api import functional
+from lossscale._src.api import lookup
+from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics import program
+from lossscale._src.state import kinds
 
 
 @dataclasses.dataclass(frozen=True)

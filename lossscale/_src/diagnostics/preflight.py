@@ -16,16 +16,16 @@ import numpy as np
 import optax
 
 from lossscale._src import checks
-from lossscale._src import forward_hazards
-from lossscale._src import gradient_hazards
-from lossscale._src import kinds
-from lossscale._src import lookup
-from lossscale._src import optimizer_hazards
-from lossscale._src.findings import PreflightReport
-from lossscale._src.findings import ordered
-from lossscale._src.kind import LossScale
-from lossscale._src.probe import Probe
-from lossscale._src.program import Program
+from lossscale._src.api import lookup
+from lossscale._src.diagnostics import forward_hazards
+from lossscale._src.diagnostics import gradient_hazards
+from lossscale._src.diagnostics import optimizer_hazards
+from lossscale._src.diagnostics.findings import PreflightReport
+from lossscale._src.diagnostics.findings import ordered
+from lossscale._src.diagnostics.probe import Probe
+from lossscale._src.diagnostics.program import Program
+from lossscale._src.state import kinds
+from lossscale._src.state.kind import LossScale
 
 
 def preflight(

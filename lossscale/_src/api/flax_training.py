@@ -16,16 +16,16 @@ from flax import nnx
 from flax import struct
 from flax.training import train_state
 
-from lossscale._src import apply
 from lossscale._src import checks
-from lossscale._src import flax_serialization  # noqa: F401 - registers the kinds
-from lossscale._src import fp8
-from lossscale._src import kinds
-from lossscale._src import lookup
-from lossscale._src import step
-from lossscale._src import wrapper
-from lossscale._src.kind import LossScale
-from lossscale._src.update import was_applied
+from lossscale._src.api import apply
+from lossscale._src.api import flax_serialization  # noqa: F401 - registers the kinds
+from lossscale._src.api import lookup
+from lossscale._src.api import wrapper
+from lossscale._src.state import kinds
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.update import was_applied
+from lossscale._src.step import fp8
+from lossscale._src.step import step
 
 
 class TrainState(train_state.TrainState):

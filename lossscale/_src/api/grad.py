@@ -10,8 +10,8 @@ from typing import Any
 import jax
 
 from lossscale._src import checks
-from lossscale._src import functional
-from lossscale._src import lookup
+from lossscale._src.api import functional
+from lossscale._src.api import lookup
 
 
 def value_and_grad(

@@ -9,10 +9,10 @@ from typing import Any
 import jax
 
 from lossscale._src import checks
-from lossscale._src import finite
-from lossscale._src import fp8
-from lossscale._src import lookup
-from lossscale._src import unscaling
+from lossscale._src.api import lookup
+from lossscale._src.step import finite
+from lossscale._src.step import fp8
+from lossscale._src.step import unscaling
 
 
 def scale_loss(loss: Any, loss_scale: Any) -> Any:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lossscale._src.kind import LossScale
+from lossscale._src.state.kind import LossScale
 
 
 def inverse_scale(state: LossScale) -> jax.Array:

@@ -17,8 +17,8 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import deprecation
-from lossscale._src import kind_fields
-from lossscale._src.kind_fields import METADATA_KEY
+from lossscale._src.state import kind_fields
+from lossscale._src.state.kind_fields import METADATA_KEY
 
 # Names a kind may not use for a field: the base class's own attributes.
 RESERVED = frozenset({"kind", "rule", "replace", "get_config", "from_config"})

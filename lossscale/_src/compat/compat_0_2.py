@@ -10,9 +10,9 @@ from typing import Any
 import optax
 
 from lossscale._src import checks
-from lossscale._src import kinds
 from lossscale._src.deprecation import MIGRATION
 from lossscale._src.deprecation import warn
+from lossscale._src.state import kinds
 
 
 def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:

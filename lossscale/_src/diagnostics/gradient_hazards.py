@@ -13,15 +13,15 @@ import math
 
 import numpy as np
 
-from lossscale._src import interpret
-from lossscale._src.findings import Finding
-from lossscale._src.findings import literal
-from lossscale._src.findings import power
-from lossscale._src.kind import LossScale
-from lossscale._src.kinds import NoOpLossScale
-from lossscale._src.probe import Evaluation
-from lossscale._src.probe import Probe
-from lossscale._src.program import Program
+from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.findings import literal
+from lossscale._src.diagnostics.findings import power
+from lossscale._src.diagnostics.probe import Evaluation
+from lossscale._src.diagnostics.probe import Probe
+from lossscale._src.diagnostics.program import Program
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kinds import NoOpLossScale
 
 MAX_SCALE = 2.0**24
 # More than 1% of the nonzero gradient values lost to zero is reported.

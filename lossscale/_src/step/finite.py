@@ -17,8 +17,8 @@ import numpy as np
 from jax import lax
 
 from lossscale._src import checks
-from lossscale._src import unscaling
-from lossscale._src.kind import LossScale
+from lossscale._src.state.kind import LossScale
+from lossscale._src.step import unscaling
 
 
 @dataclasses.dataclass(frozen=True)

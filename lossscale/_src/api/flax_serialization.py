@@ -12,9 +12,9 @@ from typing import Any
 import jax
 from flax import serialization
 
-from lossscale._src import kind
-from lossscale._src import kind_fields
-from lossscale._src.kind import LossScale
+from lossscale._src.state import kind
+from lossscale._src.state import kind_fields
+from lossscale._src.state.kind import LossScale
 
 
 def _to_state_dict(state: LossScale) -> dict[str, Any]:

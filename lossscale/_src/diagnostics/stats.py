@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import checks
-from lossscale._src import lookup
-from lossscale._src import unscaling
-from lossscale._src.update import was_applied
+from lossscale._src.api import lookup
+from lossscale._src.state.update import was_applied
+from lossscale._src.step import unscaling
 
 _FLOAT16 = np.finfo(np.float16)
 # Nonzero magnitudes below the smallest subnormal (2**-24) are lost in float16.

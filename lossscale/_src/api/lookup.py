@@ -8,8 +8,8 @@ import jax
 import optax
 
 from lossscale._src import checks
-from lossscale._src import fp8
-from lossscale._src.kind import LossScale
+from lossscale._src.state.kind import LossScale
+from lossscale._src.step import fp8
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:

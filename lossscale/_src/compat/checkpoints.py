@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src import deprecation
-from lossscale._src import kind_fields
-from lossscale._src import kind_validation
-from lossscale._src import lookup
-from lossscale._src.kind import COUNTERS
-from lossscale._src.kind import LossScale
-from lossscale._src.kind import known_kinds
-from lossscale._src.kind import registered
+from lossscale._src.api import lookup
+from lossscale._src.state import kind_fields
+from lossscale._src.state import kind_validation
+from lossscale._src.state.kind import COUNTERS
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kind import known_kinds
+from lossscale._src.state.kind import registered
 
 
 def check_config(saved: dict[str, Any], loss_scale: Any) -> None:

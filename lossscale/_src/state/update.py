@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
-from lossscale._src.kind import LossScale
-from lossscale._src.kind import rule_fields
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kind import rule_fields
 
 
 def update(

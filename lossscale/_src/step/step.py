@@ -19,12 +19,12 @@ import jax.extend.core as jcore
 import optax
 
 from lossscale._src import checks
-from lossscale._src import finite
-from lossscale._src import fp8
-from lossscale._src import split as split_step
-from lossscale._src import unscaling
-from lossscale._src import update
-from lossscale._src.kind import LossScale
+from lossscale._src.state import update
+from lossscale._src.state.kind import LossScale
+from lossscale._src.step import finite
+from lossscale._src.step import fp8
+from lossscale._src.step import split as split_step
+from lossscale._src.step import unscaling
 
 
 class StepOptions(NamedTuple):

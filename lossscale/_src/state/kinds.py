@@ -15,9 +15,9 @@ import numpy as np
 
 from lossscale._src import checks
 from lossscale._src import deprecation
-from lossscale._src import kind_validation
-from lossscale._src.kind import LossScale
-from lossscale._src.kind_fields import field
+from lossscale._src.state import kind_validation
+from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kind_fields import field
 
 
 class NoOpLossScale(LossScale, kind="none"):

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
-from lossscale._src import fp8
-from lossscale._src import kinds
-from lossscale._src import lookup
-from lossscale._src import step
-from lossscale._src.kind import LossScale
+from lossscale._src.api import lookup
+from lossscale._src.state import kinds
+from lossscale._src.state.kind import LossScale
+from lossscale._src.step import fp8
+from lossscale._src.step import step
 
 
 class WrapState(NamedTuple):
