@@ -35,7 +35,7 @@ from lossscale._src.state.kinds import NoOpLossScale
 from lossscale._src.state.kinds import StaticLossScale
 from lossscale._src.state.update import update
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.3.0"
 
 __all__ = (
     "DynamicLossScale",
