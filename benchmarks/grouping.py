@@ -3,7 +3,7 @@
     python benchmarks/grouping.py [--leaves 100,300,1000] [--dtypes bfloat16,float32]
 
 `lossscale.all_finite` over N leaves of 64x16 (fewer elements than
-`finite.GROUP_BELOW`), jitted, as shipped (small leaves stacked by shape and
+`forms.GROUP_BELOW`), jitted, as shipped (small leaves stacked by shape and
 dtype, one `sum(x - x)` per stack) and with grouping turned off
 (`GROUP_BELOW = 0`: each leaf reduced on its own, as lossscale 0.2 did, with the
 per-leaf results stacked into one `all`), and as shipped but with 16-bit stacks
@@ -29,14 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import lossscale
-from lossscale._src.step import finite
+from lossscale._src.step import forms
 
 
 def max_min_stacks(leaves):
     """As shipped, but 16-bit stacks are reduced by max and min (two reads)."""
     large, small = [], {}
     for leaf in map(jnp.asarray, leaves):
-        if leaf.size < finite.GROUP_BELOW:
+        if leaf.size < forms.GROUP_BELOW:
             small.setdefault((leaf.shape, leaf.dtype), []).append(leaf)
         else:
             large.append(leaf)
@@ -82,14 +82,14 @@ def main(argv=None):
     parser.add_argument("--per-leaf-up-to", type=int, default=300)
     parser.add_argument("--out", default="benchmarks/results/grouping")
     args = parser.parse_args(argv)
-    shipped = finite.GROUP_BELOW
+    shipped = forms.GROUP_BELOW
 
     def per_leaf(tree):
-        finite.GROUP_BELOW = 0
+        forms.GROUP_BELOW = 0
         try:
             return lossscale.all_finite(tree)
         finally:
-            finite.GROUP_BELOW = shipped
+            forms.GROUP_BELOW = shipped
 
     variants = {
         "grouped, sum(x - x) (shipped)": lossscale.all_finite,

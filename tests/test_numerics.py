@@ -2,7 +2,7 @@
 small leaves, odd sizes, 1000 leaves.
 
 The finiteness check and the clipping norm reduce small leaves in groups
-(`finite.GROUP_BELOW`); these tests hold them to a numpy reference on trees
+(`forms.GROUP_BELOW`); these tests hold them to a numpy reference on trees
 where grouping matters, and hold a 1000-leaf step to plain optax.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import settings
 
 import lossscale
-from lossscale._src.step import finite
+from lossscale._src.step import forms
 
 pytestmark = pytest.mark.usefixtures("strict_promotion")
 
@@ -82,7 +82,7 @@ def small_leaf_trees(draw):
         dtype = draw(st.sampled_from(DTYPES))
         leaves.append(np.full(shape, 0.5 + i, np.float32).astype(dtype))
     if draw(st.booleans()):
-        leaves.append(np.ones((finite.GROUP_BELOW,), np.float16))
+        leaves.append(np.ones((forms.GROUP_BELOW,), np.float16))
     if draw(st.booleans()):
         leaf = draw(st.integers(0, len(leaves) - 1))
         flat = leaves[leaf].reshape(-1).copy()
@@ -120,7 +120,7 @@ def test_grouped_clip_norm_agrees_with_optax(grads):
 
 # The forms lowered for XLA:GPU (every leaf stacked by shape) and for the TPU (a
 # reduction per leaf, scalars combined) run here on the CPU, against numpy.
-FORMS = {"cpu": finite._grouped, "gpu": finite._partials, "tpu": finite._each}
+FORMS = {"cpu": forms.grouped, "gpu": forms.partials, "tpu": forms.each}
 
 
 def numpy_first_nonfinite(leaves):
@@ -213,15 +213,15 @@ def test_a_finite_complex_gradient_whose_modulus_overflows_is_finite(backend_for
 
 
 def test_many_small_leaves_take_a_reduction_per_stack_not_per_leaf():
-    # A stack of up to `finite.STACK` leaves of one shape is reduced once; the
+    # A stack of up to `forms.STACK` leaves of one shape is reduced once; the
     # stacks' probes are combined by one more reduction.
     def reductions(count):
         tree = [jnp.ones((64, 16), jnp.bfloat16) for _ in range(count)]
         text = jax.jit(lossscale.all_finite).lower(tree).as_text()
         return len(re.findall(r"stablehlo\.reduce\b", text))
 
-    for count in (2, finite.STACK, finite.STACK + 1, 200):
-        stacks = -(-count // finite.STACK)
+    for count in (2, forms.STACK, forms.STACK + 1, 200):
+        stacks = -(-count // forms.STACK)
         assert reductions(count) == stacks + 1, (count, reductions(count))
 
 

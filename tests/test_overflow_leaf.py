@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import lossscale
 import lossscale.flax
 from lossscale._src.step import finite
+from lossscale._src.step import forms
 from lossscale._src.step import unscaling
 
 
@@ -31,7 +32,7 @@ def reference_first_nonfinite(leaves):
 
 # Small leaves are stacked by shape and dtype (one flag per leaf), large ones reduced
 # alone: the trees mix both, and float16 with float32.
-SHAPES = [(3,), (3,), (2, 2), (finite.GROUP_BELOW,), (70, 60)]
+SHAPES = [(3,), (3,), (2, 2), (forms.GROUP_BELOW,), (70, 60)]
 
 
 @st.composite
@@ -130,7 +131,7 @@ def test_with_clip_norm_the_leaf_is_found_too(clip_norm):
 # (large leaves came first), and small leaves of interleaved shapes (grouped by
 # shape). Each form must name the first non-finite leaf in tree order.
 TREE_ORDER_CASES = {
-    "small before large": [(3,), (finite.GROUP_BELOW,)],
+    "small before large": [(3,), (forms.GROUP_BELOW,)],
     "interleaved shapes": [(3,), (4,), (3,), (4,)],
 }
 
