@@ -15,6 +15,7 @@ import functools
 import os
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 MIGRATION = "docs/migration/lossscale_0_2.md"
@@ -24,7 +25,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def warn(message: str) -> None:
     """A `DeprecationWarning` attributed to the first caller outside lossscale."""
     # Python 3.11 has no `skip_file_prefixes`: count the package's own frames.
-    level, frame = 2, sys._getframe(1)
+    level = 2
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
         _PACKAGE + os.sep
     ):
@@ -41,7 +43,7 @@ def accept_0_2_arguments(cls: type, renamed: dict[str, str], order: tuple):
 
     Unambiguous: 0.3 has no argument of those names, and takes fewer positions.
     """
-    init = cls.__init__
+    init = cls.__init__  # type: ignore[misc]  # the class's own constructor, wrapped
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):  # noqa: N807
@@ -57,7 +59,7 @@ def accept_0_2_arguments(cls: type, renamed: dict[str, str], order: tuple):
             args = args[:1]
         init(self, *args, **kwargs)
 
-    cls.__init__ = __init__
+    cls.__init__ = __init__  # type: ignore[misc]  # replaced on the class itself
 
 
 def upgraded_config(config: dict[str, Any], *, quietly: bool) -> dict[str, Any]:

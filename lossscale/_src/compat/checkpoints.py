@@ -171,7 +171,7 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
     _validate_arrays(arrays, layout, config["kind"])
     state = LossScale.from_config(config)
     values = {}
-    batch = None
+    batch: tuple[int, ...] | None = None
     for name, (_dtype, slots) in layout.items():
         packed = jnp.asarray(arrays[name])
         total = sum(size for _, size in slots)
@@ -186,12 +186,12 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
         for field, size in slots:
             shape = kind_fields.specs(type(state))[field].shape
             value = packed[..., offset : offset + size]
-            values[field] = value.reshape(batch + shape)
+            values[field] = value.reshape(packed.shape[:-1] + shape)
             offset += size
     specs = kind_fields.specs(type(state))
     for name in NEW_IN_0_3:  # not in a 0.2 checkpoint: its default, stacked alike
         default = jnp.asarray(getattr(state, name))
-        values[name] = jnp.broadcast_to(default, batch + default.shape)
+        values[name] = jnp.broadcast_to(default, (batch or ()) + default.shape)
     names = kind_fields.leaf_names(type(state))
     leaves = [values[n].astype(specs[n].dtype) for n in names]
     return jax.tree.unflatten(jax.tree.structure(state), leaves)
@@ -262,7 +262,7 @@ def _layout(kind: type[LossScale]) -> dict[str, tuple[np.dtype, list]]:
     """0.2's leaves: name -> (dtype, [(field, size), ...]), as 0.2 packed them."""
     order = [n for n in COUNTERS if n not in NEW_IN_0_3]
     order += [n for n in kind_fields.leaf_names(kind) if n not in COUNTERS]
-    layout: dict[str, tuple[np.dtype, list]] = {}
+    layout: dict[str, tuple[Any, list]] = {}
     for name in order:
         spec = kind_fields.specs(kind)[name]
         dtype = np.dtype(np.int32) if spec.dtype == np.bool_ else spec.dtype

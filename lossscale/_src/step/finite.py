@@ -62,8 +62,10 @@ def check(
         root = jnp.sqrt(total)
         root = root * unscaling.inverse_scale(state) if scaled else root
     loss_finite = jnp.asarray(True) if loss is None else jnp.isfinite(loss)
-    agreed = _agree_with_index(grads_finite, loss_finite, first, axis_name)
-    return Checked(*agreed, root)
+    grads_finite, loss_finite, first = _agree_with_index(
+        grads_finite, loss_finite, first, axis_name
+    )
+    return Checked(grads_finite, loss_finite, first, root)
 
 
 def all_finite_leaves(leaves: list[Any]) -> jax.Array:
@@ -112,10 +114,10 @@ def _reduce(leaves: list[Any], *, square: bool) -> tuple[jax.Array, jax.Array]:
             arrays.append(leaf)
     if not arrays:
         return jnp.zeros([], jnp.float32), jnp.asarray(-1, jnp.int32)
-    positions = tuple(positions)
+    order = tuple(positions)
 
     def formulation(reduce):
-        return lambda *arrays: reduce(list(arrays), positions, square)
+        return lambda *arrays: reduce(list(arrays), order, square)
 
     return per_backend(
         *arrays,

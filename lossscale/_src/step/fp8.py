@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from types import FrameType
 from typing import Any
 from typing import NamedTuple
 
@@ -110,9 +111,9 @@ def refuse_initialised_by_multisteps() -> None:
     before a step has run. Found from the caller's frames: the wrap cannot see
     what holds it otherwise.
     """
-    frame = sys._getframe(1)  # wrap's `init`
+    frame: FrameType | None = sys._getframe(1)  # wrap's `init`
     for _ in range(4):  # `MultiSteps.init`, or a chain or two between
-        frame = frame.f_back
+        frame = frame.f_back if frame is not None else None
         if frame is None:
             return
         if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
@@ -216,7 +217,7 @@ def maximum(a: Any, b: Any) -> Any:
 
 def _like(mapping: Mapping, items: dict) -> Any:
     try:
-        return type(mapping)(items)
+        return type(mapping)(items)  # type: ignore[call-arg]  # caught below
     except TypeError:  # a mapping type that does not take a dict
         return items
 

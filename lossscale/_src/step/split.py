@@ -63,7 +63,9 @@ def plan(closed: Any, part_outputs: int = PART_OUTPUTS) -> Plan:
             scalar.update(eqn.outvars)
         else:
             rest.append(eqn)
-    parts, batch, count = [], [], 0
+    parts: list = []
+    batch: list = []
+    count = 0
     outputs = set(jaxpr.outvars)
     for group in _connected(rest):
         defined = sum(v in outputs for eqn in group for v in eqn.outvars)
@@ -193,7 +195,7 @@ def _cond(applied, part, held, keep, operands, jaxpr):
 
 def _value(v: Any, values: dict) -> Any:
     if isinstance(v, jcore.Literal):
-        return np.asarray(v.val, v.aval.dtype)
+        return np.asarray(v.val, v.aval.dtype)  # type: ignore[attr-defined]  # a shaped aval
     return values[v]
 
 
@@ -225,7 +227,8 @@ def _connected(eqns: list) -> list[list]:
 
 def _part(eqns: Sequence[Any], wanted: Sequence[Any]) -> Part:
     """`eqns` as a part giving the variables of `wanted` that they define."""
-    defined, inputs = set(), {}
+    defined: set = set()
+    inputs: dict = {}
     for eqn in eqns:
         for v in eqn.invars:
             if isinstance(v, jcore.Var) and v not in defined:

@@ -157,7 +157,7 @@ def guarded_step(
         len(leaves) - len(jax.tree.leaves((kept, norm))),
         len(jax.tree.leaves(kept)),
     )
-    skipped = [None] * (out_tree.num_leaves - kept_count)
+    skipped: list[int | None] = [None] * (out_tree.num_leaves - kept_count)
     skipped += range(first_kept, first_kept + kept_count)
 
     inner = _inner(traced)
