@@ -164,11 +164,12 @@ def negative_zeros(aval: Any) -> jax.Array:
 
 def _cond(applied, part, held, keep, operands, jaxpr):
     """`lax.cond(applied, part, skip)`, with the part's equations bound as they are."""
-    zeros = {
+    # In the outputs' order (a set's would vary): the same program every time.
+    zeros = dict.fromkeys(
         jaxpr.outvars[k].aval
         for k, i in zip(part.positions, keep, strict=True)
         if i is None
-    }
+    )
     made = jax.make_jaxpr(lambda: [negative_zeros(aval) for aval in zeros])()
     made_for = dict(zip(zeros, made.jaxpr.outvars, strict=True))
     skipped = [
