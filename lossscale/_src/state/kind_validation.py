@@ -169,9 +169,8 @@ def validating(init: Any) -> Any:
                 why = f"`{key}` is a property `{name}` computes, not an argument"
             else:
                 close = difflib.get_close_matches(key, known, n=1)
-                why = f"no field `{key}`" + (
-                    f" (did you mean `{close[0]}`?)" if close else ""
-                )
+                hint = f" (did you mean `{close[0]}`?)" if close else ""
+                why = f"no field `{key}`{hint}"
             raise TypeError(
                 f"`{name}` got an unexpected argument: {why}. It takes {known}."
             )
