@@ -71,9 +71,7 @@ class LossScale:
 
     def __init_subclass__(cls, *, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
-        kind_validation.validate_body(cls)
-        dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
-        kind_validation.validate_class(cls, COUNTERS, LossScale.rule)
+        kind_validation.declare(cls, COUNTERS, LossScale.rule)
         kind_fields.lay_out(cls, COUNTERS)
         cls.__init__ = kind_validation.validating(cls.__init__)
         cls.kind = _register(cls, kind)
@@ -116,18 +114,14 @@ class LossScale:
         if unknown := set(values) - set(kind._leaves):
             raise TypeError(
                 f"`{owner}` takes array fields {sorted(kind._leaves)}, got"
-                f" {sorted(unknown)}. Settings are static: build a new state to"
-                " change them."
+                f" {sorted(unknown)}. Settings are static: build a new state to change"
+                " them."
             )
         new = object.__new__(kind)
         new.__dict__.update(self.__dict__)
         for name, value in values.items():
-            old = self.__dict__[name]
-            like = old if hasattr(old, "shape") else None
-            spec = kind._specs[name]
-            new.__dict__[name] = kind_fields.as_array(
-                spec, value, owner, name, like=like
-            )
+            spec, old = kind._specs[name], self.__dict__[name]
+            new.__dict__[name] = kind_fields.as_array(spec, value, owner, name, old)
         return new
 
     def get_config(self) -> dict[str, Any]:
@@ -165,24 +159,24 @@ class LossScale:
         config = kind_validation.validated_config(config, known_kinds())
         config = deprecation.upgraded_config(config, quietly=False)
         name = config["kind"]
-        target = _KINDS.get(name)
-        if target is None and name in _KINDS:
-            raise ValueError(
-                f"The kind {name!r} was defined inside a function, where"
-                " every call makes another class of the same name, so the name does"
-                " not say which to build. Name it: `class ...(lossscale.LossScale,"
-                " kind='my_kind')`."
-            )
-        if target is None:
+        if name not in _KINDS:
             raise ValueError(
                 f"`config['kind']` must be one of {known_kinds()}, got {name!r}. (A"
                 " kind defined in your code is known once its module is imported.)"
             )
+        target = _KINDS[name]
+        if target is None:
+            raise ValueError(
+                f"The kind {name!r} was defined inside a function, where every call"
+                " makes another class of the same name, so the name does not say"
+                " which to build. Name it: `class ...(lossscale.LossScale,"
+                " kind='my_kind')`."
+            )
         if not issubclass(target, cls):
             raise ValueError(
-                f"`{cls.__name__}.from_config` got a config of kind"
-                f" {name!r} ({target.__name__}); use"
-                " `lossscale.LossScale.from_config` to build any kind."
+                f"`{cls.__name__}.from_config` got a config of kind {name!r}"
+                f" ({target.__name__}); use `lossscale.LossScale.from_config` to"
+                " build any kind."
             )
         settings = {key: value for key, value in config.items() if key != "kind"}
         kind_validation.validate_settings(settings, target._settings, name)
@@ -191,11 +185,10 @@ class LossScale:
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, LossScale):
             return NotImplemented
-        a, b = type(self)._flatten(self), type(other)._flatten(other)
-        return (
-            type(self) is type(other)
-            and a[1] == b[1]
-            and all(map(_same_value, a[0], b[0]))
+        # Settings first: states with other settings differ, even when traced.
+        names = type(self)._settings + type(self)._leaves
+        return type(self) is type(other) and all(
+            _same_value(getattr(self, n), getattr(other, n)) for n in names
         )
 
     __hash__ = None  # equal states may hold different buffers
@@ -260,15 +253,13 @@ def for_every_kind(hook) -> None:
 
 
 def _register(cls: type[LossScale], kind: str | None) -> str:
-    name = kind if kind is not None else f"{cls.__module__}.{cls.__qualname__}"
+    where = (cls.__module__, cls.__qualname__)
+    name = ".".join(where) if kind is None else kind
     if not isinstance(name, str) or not name:
         raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
     local = kind is None and "<locals>" in name
     known = None if local else _KINDS.get(name)
-    if known is not None and (known.__module__, known.__qualname__) != (
-        cls.__module__,
-        cls.__qualname__,
-    ):
+    if known is not None and (known.__module__, known.__qualname__) != where:
         raise ValueError(
             f"The kind name {name!r} is taken by `{known.__module__}."
             f"{known.__qualname__}`; pass another one: `class {cls.__name__}("

@@ -27,14 +27,10 @@ _ARRAY_DEFAULTS = (bool, int, float, type(None), type(_MISSING))
 
 
 class FieldSpec(NamedTuple):
-    """What `field` declared: an array's dtype and shape, or a static setting."""
+    """What `field` declared: an array's dtype and shape; a setting's dtype is None."""
 
-    dtype: np.dtype | None  # None for a static setting
+    dtype: np.dtype | None
     shape: tuple[int, ...] = ()
-
-    @property
-    def static(self) -> bool:
-        return self.dtype is None
 
 
 def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
@@ -152,17 +148,18 @@ def _shape(shape: Any) -> tuple[int, ...]:
     )
 
 
-def as_array(spec: FieldSpec, value: Any, owner: str, name: str, *, like=None) -> Any:
+def as_array(spec: FieldSpec, value: Any, owner: str, name: str, like: Any) -> Any:
     """`value` as an array of `spec`'s dtype and shape.
 
-    Construction (no `like`) casts any number and takes a leading batch shape
+    Construction (`like` None) casts any number and takes a leading batch shape
     (a state stacked for `pmap`). `replace` passes the current value as `like`:
-    then another dtype that is not weak is refused, and any shape but `like`'s.
+    if it is an array, another dtype that is not weak is refused, and any shape
+    but `like`'s.
     """
     if isinstance(value, jax.ShapeDtypeStruct):
         return value
     array = jnp.asarray(value)
-    if like is not None:
+    if hasattr(like, "shape"):
         weak = not hasattr(value, "dtype") or getattr(array, "weak_type", False)
         if array.dtype != spec.dtype and not weak:
             raise TypeError(
@@ -202,9 +199,6 @@ def validated_setting(value: Any, owner: str, name: str) -> Any:
     return value
 
 
-# -- the fields laid out: leaves and settings --------------------------------------
-
-
 def lay_out(kind: type, counters: tuple[str, ...]) -> None:
     """Reads a kind's fields once, and registers it as the pytree of its leaves.
 
@@ -216,25 +210,28 @@ def lay_out(kind: type, counters: tuple[str, ...]) -> None:
     fields = dataclasses.fields(kind)
     kind._specs = {f.name: f.metadata[METADATA_KEY] for f in fields}
     kind._positional = tuple(f.name for f in fields if not f.kw_only)
-    arrays = [n for n, s in kind._specs.items() if not s.static]
+    arrays = [n for n, s in kind._specs.items() if s.dtype is not None]
     kind._leaves = leaves = tuple(n for n in arrays if n not in counters) + counters
-    kind._settings = settings = tuple(n for n, s in kind._specs.items() if s.static)
-    get_leaves, get_settings = _getter(leaves), _getter(settings)
+    kind._settings = tuple(n for n, s in kind._specs.items() if s.dtype is None)
+    names, count = leaves + kind._settings, len(leaves)
+    # One `attrgetter` (in C) of at least the five counters, so always a tuple:
+    # flattening runs on every jitted call's dispatch.
+    get = operator.attrgetter(*names)
     keys = tuple(map(jax.tree_util.GetAttrKey, leaves))
 
     def flatten(state):
-        return get_leaves(state), get_settings(state)
+        values = get(state)
+        return values[:count], values[count:]
 
     def flatten_with_keys(state):
-        return tuple(zip(keys, get_leaves(state), strict=True)), get_settings(state)
+        values = get(state)
+        return tuple(zip(keys, values[:count], strict=True)), values[count:]
 
-    def unflatten(aux, children):
+    def unflatten(settings, children):
         state = object.__new__(kind)
-        state.__dict__.update(zip(leaves, children, strict=True))
-        state.__dict__.update(zip(settings, aux, strict=True))
+        state.__dict__.update(zip(names, (*children, *settings), strict=True))
         return state
 
-    kind._flatten = staticmethod(flatten)
     jax.tree_util.register_pytree_with_keys(kind, flatten_with_keys, unflatten, flatten)
 
 
@@ -246,11 +243,3 @@ def specs(kind: type) -> dict[str, FieldSpec]:
 def leaf_names(kind: type) -> tuple[str, ...]:
     """A kind's array fields in leaf order."""
     return kind._leaves
-
-
-def _getter(names: tuple[str, ...]):
-    # `attrgetter` reads in C: flattening runs on every jitted call's dispatch.
-    if len(names) != 1:
-        return operator.attrgetter(*names) if names else lambda state: ()
-    get = operator.attrgetter(names[0])
-    return lambda state: (get(state),)
