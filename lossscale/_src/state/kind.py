@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import ClassVar
+from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +75,7 @@ class LossScale:
         super().__init_subclass__(**kwargs)
         kind_validation.declare(cls, COUNTERS, LossScale.rule)
         kind_fields.lay_out(cls, COUNTERS)
-        cls.__init__ = kind_validation.validating(cls.__init__)
+        cls.__init__ = kind_validation.validating(cls.__init__)  # type: ignore[method-assign]
         cls.kind = _register(cls, kind)
         for hook in _HOOKS:
             hook(cls)
@@ -91,8 +93,13 @@ class LossScale:
     # a kind says (a setting, a property or a class attribute of that name).
     min_scale = 0.0
     max_scale = float("inf")
+    # Set on each kind by `kind_fields.lay_out`.
+    _specs: ClassVar[dict[str, kind_fields.FieldSpec]]
+    _leaves: ClassVar[tuple[str, ...]]
+    _settings: ClassVar[tuple[str, ...]]
+    _positional: ClassVar[tuple[str, ...]]
 
-    def replace(self, **values: Any) -> LossScale:
+    def replace(self, **values: Any) -> Self:
         """Returns this state with new values for some array fields.
 
         Args:
@@ -191,7 +198,7 @@ class LossScale:
             _same_value(getattr(self, n), getattr(other, n)) for n in names
         )
 
-    __hash__ = None  # equal states may hold different buffers
+    __hash__ = None  # type: ignore[assignment]  # equal states may hold other buffers
 
     def __getattr__(self, name: str) -> Any:  # only for names no state has
         return deprecation.state_attribute(self, name)  # 0.2's `lowest_scale`, ...

@@ -110,8 +110,9 @@ def field(  # noqa: D417 - `*positional` only refuses 0.2's spelling
 
 
 # Keyword-only as documented; `*positional` is there to explain 0.2's spelling.
-_parameters = list(inspect.signature(field).parameters.values())
-field.__signature__ = inspect.signature(field).replace(parameters=_parameters[1:])
+_signature = inspect.signature(field)
+_keywords = list(_signature.parameters.values())[1:]
+field.__signature__ = _signature.replace(parameters=_keywords)  # type: ignore[attr-defined]
 
 
 def _dtype(dtype: Any) -> np.dtype:
@@ -199,7 +200,7 @@ def validated_setting(value: Any, owner: str, name: str) -> Any:
     return value
 
 
-def lay_out(kind: type, counters: tuple[str, ...]) -> None:
+def lay_out(kind: Any, counters: tuple[str, ...]) -> None:
     """Reads a kind's fields once, and registers it as the pytree of its leaves.
 
     The leaves are the array fields, the kind's own first (checkpoints and
@@ -235,11 +236,11 @@ def lay_out(kind: type, counters: tuple[str, ...]) -> None:
     jax.tree_util.register_pytree_with_keys(kind, flatten_with_keys, unflatten, flatten)
 
 
-def specs(kind: type) -> dict[str, FieldSpec]:
+def specs(kind: Any) -> dict[str, FieldSpec]:
     """A kind's fields by name, in declaration order, with their specs."""
     return kind._specs
 
 
-def leaf_names(kind: type) -> tuple[str, ...]:
+def leaf_names(kind: Any) -> tuple[str, ...]:
     """A kind's array fields in leaf order."""
     return kind._leaves

@@ -75,7 +75,7 @@ def positive_int32(name: str, value: Any, owner: str) -> int:
 # -- a declaration, where the class is created -------------------------------------
 
 
-def declare(cls: type, counters: tuple[str, ...], base_rule: Any) -> None:
+def declare(cls: Any, counters: tuple[str, ...], base_rule: Any) -> None:
     """Makes a kind's class a frozen, keyword-only dataclass, or says what is wrong.
 
     Before `dataclasses` reads the body, refuses what it would refuse unclearly

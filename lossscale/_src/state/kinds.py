@@ -79,11 +79,11 @@ class StaticLossScale(LossScale, kind="static"):
         return jnp.asarray(self.value, jnp.float32)
 
     @property
-    def min_scale(self) -> float:
+    def min_scale(self) -> float:  # type: ignore[override]  # read-only here
         return self.value
 
     @property
-    def max_scale(self) -> float:
+    def max_scale(self) -> float:  # type: ignore[override]  # read-only here
         return self.value
 
     def rule(self, grads_finite: jax.Array) -> StaticLossScale:
@@ -263,7 +263,7 @@ def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
             " scale is a number, e.g. `1024.0`, or `lossscale.StaticLossScale(s)`)."
         )
     if checks.is_number(spec):
-        return StaticLossScale(spec)
+        return StaticLossScale(spec)  # type: ignore[call-arg]  # its dataclass init
     if isinstance(spec, type) and issubclass(spec, LossScale):
         raise TypeError(
             f"`{name}` got the class `{spec.__name__}`; pass a state, an instance:"
