@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import textwrap
+from collections.abc import Sequence
 
 SEVERITIES = ("error", "warning", "info")
 _WIDTH = 88
@@ -87,14 +89,10 @@ class PreflightReport:
         return frozenset(finding.code for finding in self.findings)
 
     def __str__(self) -> str:
-        counts = {
-            severity: sum(f.severity == severity for f in self.findings)
-            for severity in SEVERITIES
-        }
-        head = [
-            _count(counts["error"], "error"),
-            _count(counts["warning"], "warning"),
-        ] + ([_count(counts["info"], "note")] if counts["info"] else [])
+        counts = collections.Counter(f.severity for f in self.findings)
+        head = [_count(counts["error"], "error"), _count(counts["warning"], "warning")]
+        if counts["info"]:
+            head.append(_count(counts["info"], "note"))
         title = "preflight: " + ", ".join(head) + "."
         if self.scale is not None:
             title += f" Start a dynamic scale at {power(self.scale)} (report.scale)."
@@ -138,3 +136,10 @@ def literal(scale: float) -> str:
 def ordered(findings: list[Finding]) -> tuple[Finding, ...]:
     """Errors first, then warnings, then info; in the order found within each."""
     return tuple(sorted(findings, key=lambda f: SEVERITIES.index(f.severity)))
+
+
+def listed(items: Sequence[str]) -> str:
+    """The first three distinct `items`, and how many more."""
+    unique = list(dict.fromkeys(items))
+    text = ", ".join(unique[:3])
+    return text + (f" and {len(unique) - 3} more" if len(unique) > 3 else "")

@@ -16,6 +16,7 @@ from jax.extend import core
 
 from lossscale._src.diagnostics import interpret
 from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.findings import listed
 from lossscale._src.diagnostics.probe import Evaluation
 from lossscale._src.diagnostics.probe import Probe
 from lossscale._src.diagnostics.program import Program
@@ -68,7 +69,7 @@ def half_accumulations(jaxpr: Any) -> list[Finding]:
             code="half-accumulation",
             severity="warning",
             message=(
-                f"{_listed(sums)} accumulates in float16: each output adds up more"
+                f"{listed(sums)} accumulates in float16: each output adds up more"
                 f" than {ACCUMULATION_LIMIT} float16 values in float16, and the"
                 " rounding error grows with their number."
             ),
@@ -87,7 +88,9 @@ def loss_in_half(jaxpr: Any) -> list[Finding]:
     """A warning if the loss is computed in a 16-bit dtype (widened after or not)."""
     var, eqn, calls, top = jaxpr.outvars[0], None, (), jaxpr
     while True:
-        eqn = _producer(jaxpr, var)
+        eqn = None
+        if not isinstance(var, core.Literal):  # literals are no equation's output
+            eqn = next((e for e in jaxpr.eqns if var in e.outvars), None)
         if eqn is None:
             break
         sub = interpret._sub_jaxpr(eqn, len(eqn.invars))
@@ -123,15 +126,6 @@ def loss_in_half(jaxpr: Any) -> list[Finding]:
     ]
 
 
-def _producer(jaxpr: Any, var: Any) -> Any:
-    if isinstance(var, core.Literal):
-        return None
-    for eqn in jaxpr.eqns:
-        if var in eqn.outvars:
-            return eqn
-    return None
-
-
 def _widens(eqn: Any) -> bool:
     before = np.dtype(eqn.invars[0].aval.dtype)
     after = np.dtype(eqn.outvars[0].aval.dtype)
@@ -142,12 +136,8 @@ def _equations(jaxpr: Any, calls: tuple[Any, ...]):
     """`(equation, enclosing equations)` of `jaxpr` and the jaxprs inside it."""
     for eqn in jaxpr.eqns:
         yield eqn, calls
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, core.ClosedJaxpr):
-                    sub = sub.jaxpr
-                if isinstance(sub, core.Jaxpr):
-                    yield from _equations(sub, (*calls, eqn))
+        for sub in core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub, (*calls, eqn))
 
 
 # -- the probe batch ------------------------------------------------------------
@@ -182,7 +172,7 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
                 code="forward-overflow",
                 severity="error",
                 message=(
-                    f"The input is not finite: {_listed([f'`{n}`' for n in names])}"
+                    f"The input is not finite: {listed([f'`{n}`' for n in names])}"
                     " holds an inf or a NaN before any op runs, and the loss is"
                     f" {evaluation.loss:g}. No loss scale or float32 cast fixes that."
                 ),
@@ -199,7 +189,7 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
             code="forward-overflow",
             severity="error",
             message=(
-                f"{_listed(ops)} gives inf or NaN in float16 on the probe batch,"
+                f"{listed(ops)} gives inf or NaN in float16 on the probe batch,"
                 f" from finite inputs, and the loss is {evaluation.loss:g}. No loss"
                 " scale fixes a forward overflow."
             ),
@@ -218,7 +208,7 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
             code="forward-headroom",
             severity="warning",
             message=(
-                f"{_listed(ops)}: its float16 output on the probe batch is within"
+                f"{listed(ops)}: its float16 output on the probe batch is within"
                 f" {HEADROOM:g}x of float16's largest value, {F16_MAX:g}; a larger"
                 " input or a later step overflows."
             ),
@@ -257,9 +247,3 @@ def _origins(probe: Probe, evaluation: Evaluation) -> set[int]:
         for i in reached
         if i not in made_by or not any(bad[j] for j in made_by[i].upstream)
     }
-
-
-def _listed(items: list[str]) -> str:
-    unique = list(dict.fromkeys(items))
-    text = ", ".join(unique[:3])
-    return text + (f" and {len(unique) - 3} more" if len(unique) > 3 else "")

@@ -43,18 +43,13 @@ class Gradients:
 def check(problem: Program, probe: Probe, start: LossScale) -> Gradients:
     """Evaluates the gradients at the start and around the largest safe scale."""
     first = probe(float(start.scale))
-    base = first if first.finite else None
-    for fallback in _FALLBACKS:
-        if base is not None:
-            break
-        if fallback < first.scale and probe(fallback).finite:
-            base = probe(fallback)
+    # `map` is lazy: the fallbacks are evaluated only until one is finite.
+    scales = [first.scale] + [s for s in _FALLBACKS if s < first.scale]
+    base = next((e for e in map(probe, scales) if e.finite), None)
     scale = None if base is None else _largest_safe_scale(probe, base)
     finite = [e for e in probe.evaluations.values() if e.finite]
     best = max(finite, key=lambda e: e.scale, default=None)
-    reference = None
-    if best is not None:
-        reference = [np.asarray(g, np.float32) / best.scale for g in best.grads]
+    reference = best and [np.asarray(g, np.float32) / best.scale for g in best.grads]
     findings = _overflow(probe, first, start, scale)
     if first.finite and best is not None and best.scale > first.scale:
         findings += _underflow(problem, probe, first, best, start, scale)

@@ -26,14 +26,11 @@ from jax.extend import core
 # Primitives whose inputs and outputs are their sub-jaxpr's, one to one: the walk
 # goes inside them (the user's own `jax.jit`, `jax.checkpoint`, custom rules).
 # Others (`cond`, `scan`, `while`) run whole and are named as the op.
+# Their names as of jax 0.10, the oldest supported.
 _CALLS = {
-    "pjit": "jaxpr",
     "jit": "jaxpr",
     "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat": "jaxpr",
     "remat2": "jaxpr",  # `jax.checkpoint`'s primitive
-    "checkpoint": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
 }
@@ -43,7 +40,7 @@ _CALLS = {
 class Producer:
     """An equation whose inputs held no inf or NaN that reaches its output."""
 
-    op: str
+    op: str | None  # None only for `locate`'s stand-in when no op is blamed
     backward: bool
     source: str | None
     function: str | None
@@ -74,19 +71,21 @@ def run(closed: Any, args: list[Any]) -> Run:
     does, and a constant `-inf` (an attention mask) is blamed only through the
     equation that carries it into a non-finite result.
     """
-    sources: list[int | Producer] = []
-
-    def new_source(source: int | Producer) -> int:
-        sources.append(source)
-        return len(sources) - 1
+    # An argument that is not finite on entry is its own origin.
+    sources: list[int | Producer] = [
+        position for position, arg in enumerate(args) if nonfinite(arg)
+    ]
+    origins = [sources.index(i) if i in sources else None for i in range(len(args))]
 
     def visit(eqn, inputs, outputs, in_origins, calls):
-        return _origins(outputs, in_origins, lambda: new_source(_producer(eqn, calls)))
+        # Each output's origin: None if finite, else the inputs' earliest, else here.
+        inherited = min((o for o in in_origins if o is not None), default=None)
+        bad = [nonfinite(output) for output in outputs]
+        if inherited is None and any(bad):
+            sources.append(_producer(eqn, calls))
+            inherited = len(sources) - 1
+        return [inherited if b else None for b in bad]
 
-    origins = [
-        new_source(position) if nonfinite(arg) else None
-        for position, arg in enumerate(args)
-    ]
     outputs, out_origins = walk(closed, list(args), visit, tags=origins)
     return Run(outputs, out_origins, sources)
 
@@ -116,15 +115,16 @@ def walk(
     def evaluate(jaxpr, consts, values, in_tags, calls):
         env = {}
 
-        def read(var):
-            return (var.val, None) if isinstance(var, core.Literal) else env[var]
+        def read(atoms):  # their values and their tags
+            pairs = [
+                (v.val, None) if isinstance(v, core.Literal) else env[v] for v in atoms
+            ]
+            return [value for value, _ in pairs], [tag for _, tag in pairs]
 
         env.update(zip(jaxpr.constvars, [(c, None) for c in consts], strict=True))
         env.update(zip(jaxpr.invars, zip(values, in_tags, strict=True), strict=True))
         for eqn in jaxpr.eqns:
-            pairs = [read(var) for var in eqn.invars]
-            inputs = [value for value, _ in pairs]
-            input_tags = [tag for _, tag in pairs]
+            inputs, input_tags = read(eqn.invars)
             sub = _sub_jaxpr(eqn, len(inputs))
             operands, operand_tags = inputs, input_tags
             if branches and eqn.primitive.name == "cond":
@@ -135,16 +135,15 @@ def walk(
                 )
             else:
                 with eqn.ctx.manager:
-                    outputs = eqn.primitive.bind(*inputs, **_bind_params(eqn))
+                    params = eqn.primitive.get_bind_params(eqn.params)
+                    outputs = eqn.primitive.bind(*inputs, **params)
                 if not eqn.primitive.multiple_results:
                     outputs = [outputs]
                 output_tags = visit(eqn, inputs, outputs, input_tags, calls)
-                if output_tags is None:
-                    output_tags = [None] * len(outputs)
+                output_tags = output_tags or [None] * len(outputs)
             pairs = zip(outputs, output_tags, strict=True)
             env.update(zip(eqn.outvars, pairs, strict=True))
-        pairs = [read(var) for var in jaxpr.outvars]
-        return [value for value, _ in pairs], [tag for _, tag in pairs]
+        return read(jaxpr.outvars)
 
     padded = list(tags) + [None] * (len(args) - len(tags))
     return evaluate(closed.jaxpr, closed.consts, list(args), padded, ())
@@ -158,33 +157,6 @@ def _branch(eqn: Any, inputs: list, tags: list) -> tuple[Any, list, list]:
     branches = eqn.params["branches"]
     chosen = branches[int(np.clip(int(index), 0, len(branches) - 1))]
     return chosen, inputs[1:], tags[1:]
-
-
-def _origins(
-    outputs: list[Any], in_origins: list[int | None], made_here: Callable[[], int]
-) -> list[int | None]:
-    """Each output's origin: None if finite, else the inputs' earliest, else here."""
-    inherited = min((o for o in in_origins if o is not None), default=None)
-    origins: list[int | None] = []
-    here = None
-    for output in outputs:
-        if not nonfinite(output):
-            origins.append(None)
-        elif inherited is not None:
-            origins.append(inherited)
-        else:
-            here = made_here() if here is None else here
-            origins.append(here)
-    return origins
-
-
-def _bind_params(eqn: Any) -> dict[str, Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
-        subfuns, params = params
-        if subfuns:
-            raise NotImplementedError(f"`{eqn.primitive.name}` with subfunctions")
-    return params
 
 
 def _sub_jaxpr(eqn: Any, arity: int) -> Any:
@@ -205,8 +177,7 @@ def nonfinite(value: Any) -> bool:
     `jnp.issubdtype`, not NumPy's: a typed PRNG key's dtype (`key<fry>`) is not
     a NumPy dtype, and a key is held fixed like an integer.
     """
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+    if not jnp.issubdtype(getattr(value, "dtype", np.int32), jnp.inexact):
         return False
     return not bool(np.isfinite(np.asarray(value)).all())
 
@@ -255,10 +226,17 @@ def source(
     has no user frame: then the innermost of the enclosing `calls` that has
     one gives it. `(None, None)` if none does.
     """
+    skip = _library_dirs(libraries)
+    stdlib = os.path.join(os.path.dirname(os.__file__), "")
     for candidate in (eqn, *reversed(calls)):
-        frame = _user_frame(candidate.source_info.traceback, libraries)
-        if frame is not None:
-            return f"{frame.file_name}:{frame.line_num}", frame.function_name
+        traceback = candidate.source_info.traceback
+        for frame in traceback.frames if traceback is not None else ():
+            name = frame.file_name
+            # The standard library's frames (`functools.partial`, ...) are skipped.
+            if not name.startswith(skip) and not (
+                name.startswith(stdlib) and "-packages" not in name
+            ):
+                return f"{name}:{frame.line_num}", frame.function_name
     return None, None
 
 
@@ -270,22 +248,3 @@ def _library_dirs(libraries: tuple[str, ...]) -> tuple[str, ...]:
         if module is not None and getattr(module, "__file__", None):
             dirs.append(os.path.dirname(module.__file__))
     return tuple(os.path.join(d, "") for d in dirs)
-
-
-def _standard_library(file_name: str) -> bool:
-    """Whether a frame is the standard library's (`functools.partial`, ...)."""
-    stdlib = os.path.join(os.path.dirname(os.__file__), "")
-    return file_name.startswith(stdlib) and "-packages" not in file_name
-
-
-def _user_frame(traceback: Any, libraries: tuple[str, ...] = LIBRARIES) -> Any:
-    """The innermost frame outside `libraries`: the line that called the op."""
-    if traceback is None:
-        return None
-    skip = _library_dirs(libraries)
-    for frame in traceback.frames:
-        if not frame.file_name.startswith(skip) and not _standard_library(
-            frame.file_name
-        ):
-            return frame
-    return None

@@ -15,7 +15,11 @@ from lossscale._src.api import functional
 from lossscale._src.api import lookup
 from lossscale._src.diagnostics import interpret
 from lossscale._src.diagnostics import program
+from lossscale._src.diagnostics.findings import listed
 from lossscale._src.state import kinds
+
+# No op made the first inf or NaN: it was in the input, or there is none.
+_NO_PRODUCER = interpret.Producer(op=None, backward=False, source=None, function=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +103,7 @@ class OverflowReport:
         )
 
     def _grads(self) -> str:
-        named = ", ".join(self.leaves[:3]) + (
-            f" and {len(self.leaves) - 3} more" if len(self.leaves) > 3 else ""
-        )
-        return f" Non-finite gradients: {named}." if self.leaves else ""
+        return f" Non-finite gradients: {listed(self.leaves)}." if self.leaves else ""
 
 
 def locate_overflow(
@@ -171,16 +172,13 @@ def locate_overflow(
         loss, _ = problem.loss(diff, batch)
         return functional.scale_loss(loss, state), loss
 
-    def step(diff, batch):
-        return jax.value_and_grad(scaled, has_aux=True)(diff, batch)
-
+    step = jax.value_and_grad(scaled, has_aux=True)
     diff, batch = problem.diff, problem.batch
     closed, shape = jax.make_jaxpr(step, return_shape=True)(diff, batch)
     found = interpret.run(closed, [*diff, *batch])
-    (_, loss), grads = jax.tree.unflatten(jax.tree.structure(shape), found.outputs)
-    (_, loss_origin), grad_origins = jax.tree.unflatten(
-        jax.tree.structure(shape), found.origins
-    )
+    treedef = jax.tree.structure(shape)
+    (_, loss), grads = jax.tree.unflatten(treedef, found.outputs)
+    (_, loss_origin), grad_origins = jax.tree.unflatten(treedef, found.origins)
     inverse = 1.0 / float(state.scale)
     bad = [
         position
@@ -193,14 +191,14 @@ def locate_overflow(
     blamed = [loss_origin] if kind == "forward" else [grad_origins[i] for i in bad]
     origins = [origin for origin in blamed if origin is not None]
     source = found.sources[min(origins)] if origins else None
-    producer = source if isinstance(source, interpret.Producer) else None
+    producer = source if isinstance(source, interpret.Producer) else _NO_PRODUCER
     return OverflowReport(
         kind=kind,
         leaves=tuple(problem.diff_paths[i] for i in bad),
-        op=None if producer is None else producer.op,
-        source=None if producer is None else producer.source,
-        function=None if producer is None else producer.function,
-        backward_pass=producer is not None and producer.backward,
+        op=producer.op,
+        source=producer.source,
+        function=producer.function,
+        backward_pass=producer.backward,
         scale=float(state.scale),
         loss=loss,
         nonfinite_input=(

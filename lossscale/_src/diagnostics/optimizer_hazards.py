@@ -21,9 +21,9 @@ import optax
 
 from lossscale._src.diagnostics import interpret
 from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics.findings import listed
 from lossscale._src.diagnostics.program import Program
-from lossscale._src.diagnostics.program import flatten_with_paths
-from lossscale._src.state.kind import LossScale
+from lossscale._src.diagnostics.step_check import with_loss_scale
 from lossscale._src.state.kinds import NoOpLossScale
 
 # An update this much larger than float32's is "huge" (a subnormal denominator).
@@ -40,13 +40,14 @@ def check(
     """Runs the probe updates; `grads` are the unscaled float32 gradients."""
     params = problem.masked_params(problem.diff)
     dtypes = [np.dtype(leaf.dtype) for leaf in problem.diff]
-    state = _unscaled(optimizer.init(params))
+    # The probe feeds unscaled gradients: `wrap(inner)` then runs `inner` on them.
+    state = with_loss_scale(optimizer.init(params), NoOpLossScale())
     if not any(_half(leaf) for leaf in jax.tree.leaves((params, state))):
         return []  # float32 throughout: nothing rounds differently
     # The reference starts from its own float32 state: a constant that `init`
     # stores in the parameters' dtype (`inject_hyperparams`' `eps`) is rounded
     # there already, and a cast back would keep the rounded value.
-    wide_state = _unscaled(optimizer.init(_float32(params)))
+    wide_state = with_loss_scale(optimizer.init(_float32(params)), NoOpLossScale())
     findings = []
     probe = problem.masked_params(
         [np.asarray(g).astype(d) for g, d in zip(grads, dtypes, strict=True)]
@@ -56,8 +57,8 @@ def check(
     update = jax.jit(lambda g, s, p: optimizer.update(g, s, p)[0])
     wide = jax.jit(lambda g, s, p: optimizer.update(*_float32((g, s, p)))[0])
     for name, g in (("the probe's gradients", probe), ("gradients of zero", zeros)):
-        updates = flatten_with_paths(jax.device_get(update(g, state, params)))[1]
-        reference = flatten_with_paths(jax.device_get(wide(g, wide_state, params)))[1]
+        updates = _leaves(jax.device_get(update(g, state, params)))
+        reference = _leaves(jax.device_get(wide(g, wide_state, params)))
         if name == "the probe's gradients":
             findings += _rounded_away(problem, updates)
         if broken is None:
@@ -137,8 +138,7 @@ def _rounded_away(problem: Program, updates: list[Any]) -> list[Finding]:
     if not shares:
         return []
     worst = max(shares, key=shares.get)
-    listed = ", ".join(f"{p} {s:.0%}" for p, s in list(shares.items())[:3])
-    more = f" and {len(shares) - 3} more" if len(shares) > 3 else ""
+    named = listed([f"{p} {s:.0%}" for p, s in shares.items()])
     dtype = np.dtype(problem.leaves[problem.paths.index(worst)].dtype).name
     return [
         Finding(
@@ -146,7 +146,7 @@ def _rounded_away(problem: Program, updates: list[Any]) -> list[Finding]:
             severity="warning",
             message=(
                 f"The probe update rounds away (`p + u == p` with `u != 0`) in"
-                f" {dtype} parameters: {listed}{more} of their nonzero updates."
+                f" {dtype} parameters: {named} of their nonzero updates."
                 " Those parameters move slower than the optimizer says, or not"
                 " at all."
             ),
@@ -160,26 +160,15 @@ def _rounded_away(problem: Program, updates: list[Any]) -> list[Finding]:
     ]
 
 
-def _unscaled(state: Any) -> Any:
-    """`state` with its loss-scale state (if wrapped) replaced by no scaling.
-
-    The probe feeds unscaled gradients: `wrap(inner)` then runs `inner` on them.
-    """
-    return jax.tree.map(
-        lambda x: NoOpLossScale() if isinstance(x, LossScale) else x,
-        state,
-        is_leaf=lambda x: isinstance(x, LossScale),
-    )
-
-
 def _half(leaf: Any) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return (
-        dtype is not None
-        and jnp.issubdtype(dtype, jnp.floating)
-        and np.dtype(dtype).itemsize <= 2
-    )
+    dtype = getattr(leaf, "dtype", np.int32)
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize <= 2
 
 
 def _float32(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32) if _half(x) else x, tree)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    """The leaves of `tree`, None counted, as `Program.paths` counts them."""
+    return jax.tree.leaves(tree, is_leaf=lambda x: x is None)

@@ -34,11 +34,11 @@ from jax.extend import core
 from lossscale._src.diagnostics import interpret
 from lossscale._src.diagnostics.program import Program
 from lossscale._src.diagnostics.program import trace
+from lossscale._src.step import unscaling
 
 F16 = np.dtype(np.float16)
-_F16 = np.finfo(np.float16)
 # Values at or above max + ulp/2 round to inf in float16.
-F16_OVERFLOW = float(_F16.max) + 2.0 ** (_F16.maxexp - 1) * float(_F16.eps) / 2
+F16_OVERFLOW = unscaling.overflow_threshold(np.float16)
 # Outputs no larger than an input, and finite when it is.
 _MOVES = {
     "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
@@ -109,21 +109,21 @@ class Probe:
             def visit(eqn, inputs, outputs, tags, calls):
                 # A value computed from the scale is the backward pass's.
                 is_marked = any(tags)
-                measure(eqn, inputs, outputs, is_marked, calls)
-                return [is_marked] * len(outputs)
-
-            def measure(eqn, inputs, outputs, is_marked, calls):
                 halves = [v for v in outputs if getattr(v, "dtype", None) == F16]
                 if is_marked:
                     self.dtypes.update(
-                        np.dtype(v.dtype).name for v in outputs if _floating(v)
+                        np.dtype(v.dtype).name
+                        for v in outputs
+                        if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.floating)
                     )
                     if not (_moves(eqn) or eqn.primitive.name in _SUMS_OF_TWO):
                         backward.extend(halves)
                         self.sites.extend((eqn, calls) for _ in halves)
-                    return
-                if id(eqn) not in forward:
-                    return
+                elif id(eqn) in forward:
+                    measure(eqn, inputs, outputs, halves, calls)
+                return [is_marked] * len(outputs)
+
+            def measure(eqn, inputs, outputs, halves, calls):
                 upstream = frozenset().union(
                     *(lineage.get(id(v), (None, frozenset()))[1] for v in inputs)
                 )
@@ -220,11 +220,6 @@ def _moves(eqn: Any) -> bool:
             and float(jnp.finfo(after).max) >= float(jnp.finfo(before).max)
         )
     return eqn.primitive.name in _MOVES
-
-
-def _floating(value: Any) -> bool:
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _peaks(values: list[Any]) -> jax.Array:

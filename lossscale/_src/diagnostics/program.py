@@ -59,7 +59,13 @@ class Program:
         if not isinstance(has_aux, bool):
             raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
         _validate_call(loss_fn, params, args, kwargs, example)
-        paths, leaves, treedef = flatten_with_paths(params)
+        # None counted as a leaf, as the step counts them: Equinox's filtered
+        # parameters have None where the model has a function.
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(
+            params, is_leaf=lambda x: x is None
+        )
+        paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
+        leaves = [leaf for _, leaf in with_paths]
         differentiated = [i for i, leaf in enumerate(leaves) if inexact_array(leaf)]
         if not differentiated:
             raise ValueError(
@@ -141,19 +147,6 @@ def _rebuild(values: list[Any], positions: list[int], template: list, tree) -> A
     for i, value in zip(positions, values, strict=True):
         out[i] = value
     return jax.tree.unflatten(tree, out)
-
-
-def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """`(keystr paths, leaves, treedef)` of `tree`, `None` counted as a leaf.
-
-    As the step counts them: Equinox's filtered parameters have None where the
-    model has a function.
-    """
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: x is None
-    )
-    paths = [jax.tree_util.keystr(path) for path, _ in with_paths]
-    return paths, [leaf for _, leaf in with_paths], treedef
 
 
 def is_array(leaf: Any) -> bool:

@@ -65,7 +65,8 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
     scale = _scale_to_evaluate_at(loss_scale)
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
     per_leaf = {}
-    totals = []
+    # An empty leaf's counts change no total: the figures of a tree with no leaves.
+    totals = [_leaf_counts(jnp.zeros([0], jnp.float32), scale)]
     for path, leaf in paths_and_leaves:
         leaf = jnp.asarray(leaf)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -76,17 +77,14 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
         counts = _leaf_counts(leaf, scale)
         totals.append(counts)
         per_leaf[jax.tree_util.keystr(path) or "<root>"] = _figures(counts, scale)
-    if totals:
-        overall = {
-            key: (
-                jnp.max(jnp.stack([c[key] for c in totals]))
-                if key == "max_abs"
-                else sum(c[key] for c in totals)
-            )
-            for key in totals[0]
-        }
-    else:
-        overall = _leaf_counts(jnp.zeros([0], jnp.float32), scale)
+    overall = {
+        key: (
+            jnp.max(jnp.stack([c[key] for c in totals]))
+            if key == "max_abs"
+            else sum(c[key] for c in totals)
+        )
+        for key in totals[0]
+    }
     return {**_figures(overall, scale), "leaves": per_leaf}
 
 
@@ -181,13 +179,12 @@ def metrics(opt_state_or_loss_scale: Any) -> dict[str, jax.Array]:
     # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
     skipped_steps = jnp.asarray(state.skipped_steps)
     forward_overflows = jnp.asarray(state.forward_overflows)
-    consecutive_skips = jnp.asarray(state.consecutive_skips)
     return {
         "loss_scale": jnp.asarray(state.scale),
         "skipped_steps": skipped_steps,
         "forward_overflows": forward_overflows,
         "backward_overflows": skipped_steps - forward_overflows,
-        "consecutive_skips": consecutive_skips,
+        "consecutive_skips": jnp.asarray(state.consecutive_skips),
         "last_finite": was_applied(state),
         "stuck": jnp.asarray(state.stuck),
         "overflow_leaf": jnp.asarray(state.overflow_leaf),

@@ -196,11 +196,7 @@ def _at(state: LossScale, scale: float) -> LossScale:
 
 def _run(step, state, args, loss_scale) -> tuple[dict[str, Any], bool]:
     """The step's new floating-point leaves with `loss_scale`; whether it skipped."""
-    given = jax.tree.map(
-        lambda x: loss_scale if isinstance(x, LossScale) else x,
-        state,
-        is_leaf=lambda x: isinstance(x, LossScale),
-    )
+    given = with_loss_scale(state, loss_scale)
     # Copies of every array: the step may donate its arguments, and these are
     # the caller's (the loss-scale state's counters too).
     given, args = jax.tree.map(
@@ -244,3 +240,12 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> float | None:
     if np.linalg.norm(a - ratio * b) > TOLERANCE * np.linalg.norm(a):
         return None
     return float(ratio)
+
+
+def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
+    """`tree` with `loss_scale` in place of each loss-scale state it holds."""
+    return jax.tree.map(
+        lambda x: loss_scale if isinstance(x, LossScale) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, LossScale),
+    )
