@@ -449,3 +449,16 @@ def test_an_overflow_inside_a_library_jit_is_named_at_the_users_line():
     report = lossscale.locate_overflow(loss_fn, {"a": jnp.ones(8)}, x, loss_scale=1.0)
     assert report.kind == "forward" and report.op == "cumsum"
     assert report.source == line_of("cumsum-line")
+
+
+def test_frames_anywhere_in_lossscale_are_skipped_when_naming_the_line():
+    # Since `_src` has folders, an op in `api/functional.py` (the multiply of
+    # `scale_loss`) must still be attributed to the user's line, not lossscale's.
+    from lossscale._src.api import functional
+    from lossscale._src.diagnostics import interpret
+    from lossscale._src.state import kinds
+    from lossscale._src.step import finite
+
+    skipped = interpret._library_dirs(())
+    for module in (functional, finite, kinds, interpret):
+        assert module.__file__.startswith(skipped), (module.__file__, skipped)

@@ -86,7 +86,8 @@ def half_accumulations(jaxpr: Any) -> list[Finding]:
 
 def loss_in_half(jaxpr: Any) -> list[Finding]:
     """A warning if the loss is computed in a 16-bit dtype (widened after or not)."""
-    var, eqn, calls, top = jaxpr.outvars[0], None, (), jaxpr
+    var, eqn, top = jaxpr.outvars[0], None, jaxpr
+    calls: tuple[Any, ...] = ()
     while True:
         eqn = None
         if not isinstance(var, core.Literal):  # literals are no equation's output

@@ -49,7 +49,9 @@ def check(problem: Program, probe: Probe, start: LossScale) -> Gradients:
     scale = None if base is None else _largest_safe_scale(probe, base)
     finite = [e for e in probe.evaluations.values() if e.finite]
     best = max(finite, key=lambda e: e.scale, default=None)
-    reference = best and [np.asarray(g, np.float32) / best.scale for g in best.grads]
+    reference = None
+    if best is not None:
+        reference = [np.asarray(g, np.float32) / best.scale for g in best.grads]
     findings = _overflow(probe, first, start, scale)
     if first.finite and best is not None and best.scale > first.scale:
         findings += _underflow(problem, probe, first, best, start, scale)

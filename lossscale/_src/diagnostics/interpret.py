@@ -242,9 +242,11 @@ def source(
 
 def _library_dirs(libraries: tuple[str, ...]) -> tuple[str, ...]:
     """Where `libraries` (and lossscale/_src) live: their frames are skipped."""
-    dirs = [os.path.dirname(__file__)]  # lossscale/_src, not the user's tests
+    # All of lossscale/_src (this module is in a folder of it), not the user's tests.
+    dirs = [os.path.dirname(os.path.dirname(__file__))]
     for name in libraries:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "__file__", None):
-            dirs.append(os.path.dirname(module.__file__))
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(path))
     return tuple(os.path.join(d, "") for d in dirs)

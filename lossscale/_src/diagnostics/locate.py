@@ -209,4 +209,6 @@ def locate_overflow(
 
 def _state(loss_scale: Any) -> Any:
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
-    return kinds.StaticLossScale(found) if checks.is_number(found) else found
+    if checks.is_number(found):
+        return kinds.StaticLossScale(found)  # type: ignore[call-arg]  # its dataclass init
+    return found

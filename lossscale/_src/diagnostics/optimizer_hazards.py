@@ -137,7 +137,7 @@ def _rounded_away(problem: Program, updates: list[Any]) -> list[Finding]:
             shares[path] = lost / int(np.sum(moved))
     if not shares:
         return []
-    worst = max(shares, key=shares.get)
+    worst = max(shares, key=lambda path: shares[path])
     named = listed([f"{p} {s:.0%}" for p, s in shares.items()])
     dtype = np.dtype(problem.leaves[problem.paths.index(worst)].dtype).name
     return [

@@ -179,7 +179,7 @@ def _validate_call(loss_fn: Any, params: Any, args: tuple, kwargs: dict, example
 def _parameter_names(loss_fn: Callable[..., Any], count: int) -> list[str]:
     """The names `loss_fn` gives `params` and its `count` further arguments."""
     try:
-        parameters = inspect.signature(loss_fn).parameters.values()
+        parameters = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # no signature to read (a builtin)
         parameters = []
     positional = [

@@ -105,7 +105,7 @@ def _leaf_counts(leaf: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
     }
 
 
-def _figures(counts: dict[str, jax.Array], scale: jax.Array) -> dict[str, jax.Array]:
+def _figures(counts: dict[str, Any], scale: jax.Array) -> dict[str, jax.Array]:
     size = jnp.maximum(counts["size"], 1.0)
     max_abs = jnp.maximum(counts["max_abs"], 0.0)
     return {
