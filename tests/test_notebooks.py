@@ -38,6 +38,10 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     flags = os.environ.get("XLA_FLAGS", "")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
     monkeypatch.setenv("XLA_FLAGS", flags.strip())
+    # flax_float16 trains 4 seeds x 1000 steps x 3 runs, the suite's largest cost:
+    # two seeds (0 and 1) halve it. Its checks still compare the mean accuracy over
+    # the seeds run (float16 scaled against float32: +0.022 over seeds 0-1).
+    monkeypatch.setenv("LOSSSCALE_NOTEBOOK_SEEDS", "2")
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         notebook,
