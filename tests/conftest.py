@@ -7,12 +7,6 @@ import os
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}"
-# LLVM at -O1 instead of -O3 for XLA:CPU's code: most of the suite's time is
-# compiling small programs (test_apply, test_wrapper, test_flax: 196 s -> 155 s
-# here). The HLO, and so every XLA figure the tests read (bytes, ops, fusions), is
-# the same at any level.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=1"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
