@@ -55,13 +55,24 @@ def wrap(
 
     The returned transformation's `update` takes the gradients of the *scaled* loss
     (`lossscale.scale_loss`). Each step checks, in one pass, whether the unscaled
-    gradients are finite; under one `jax.lax.cond` it either runs `inner.update` on
-    them (divided by the scale, into the parameters' dtype) or skips: negative-zero
-    updates, which leave every parameter bit as it is, and the inner state
-    untouched. Then `lossscale.update` moves the loss-scale state. Every kind skips
+    gradients are finite; it then either runs `inner.update` on them (divided by the
+    scale, into the parameters' dtype) or skips: negative-zero updates, which leave
+    every parameter bit as it is, and the inner state untouched. Then
+    `lossscale.update` moves the loss-scale state. Every kind skips
     non-finite steps; `update(..., value=loss)` tells forward from backward
     overflows. It composes with `optax.chain`, `optax.MultiSteps` and
     `optax.inject_hyperparams` (`docs/guides/wrap.md`; the why: `docs/design.md`).
+
+    **Exactness.** On XLA:CPU the skip is a `lax.cond`: a skipped step runs nothing
+    of the update (a callback in it does not fire, a loop over the gradients does
+    not run) and returns the parameters and the optimizer state bit for bit; at a
+    scale of 1, `wrap(tx)` gives bit for bit what `tx.update` gives run inside one
+    `lax.cond`; and `apply_gradients` and `TrainState.apply_gradients` give bit for
+    bit what `wrap(tx)` followed by `optax.apply_updates` gives. On GPUs and TPUs
+    the skip is a select: a skipped step returns the same bits, but the update runs
+    and is thrown away (a callback in it fires, a loop over the gradients runs on
+    their infs and NaNs), and `apply_gradients` still gives the bits of `wrap(tx)`
+    and `optax.apply_updates`.
 
     Args:
       inner: the optax transformation (an `optax.MultiSteps` counts micro-steps).

@@ -1,28 +1,38 @@
-"""The applied step split into its independent parts, for XLA:CPU's form of the skip.
+"""The skip in each backend's form, built from the applied step's traced jaxpr.
+
+`guarded_step` traces the applied step (unscale, clip, the optimizer's update) once,
+to a jaxpr, and builds the skip from it without tracing optax's Python again:
+
+- `select` (XLA:GPU, TPU): the step called as traced, then per output a select
+  between its value and what a skipped step keeps;
+- `conds` (XLA:CPU): the step split into parts (`plan`), each called under a
+  `lax.cond` of its own whose other branch keeps the part's outputs. Every equation
+  of the step runs inside a cond: a skipped step computes nothing of the update.
 
 An optimizer's update is mostly independent computations, one per leaf (Adam's two
-moments and the parameter of one leaf), joined only by scalars (the step count, the
-learning rate, the bias corrections, the inverse scale). `plan` reads that off the
-step's jaxpr: the equations on scalars, which run before the skip, and the connected
-parts of the rest, grouped into parts of at most `PART_OUTPUTS` outputs, each of
-which `conds` runs under a `lax.cond` of its own: XLA:CPU compiles one cond over
-thousands of buffers in superlinear time (design.md, "The step"). The parts are
-the traced step's own equations, put into the conds as they are: nothing is
-traced twice.
+moments and the parameter of one leaf), joined by scalars (the step count, the
+learning rate, the bias corrections, the inverse scale). A part is a connected group
+of the other equations, with a copy of each scalar equation it reads, so that parts
+do not join through the scalars: XLA:CPU compiles one cond over thousands of
+buffers in superlinear time (design.md, "The step"). Outputs are addressed by their
+position among the step's outputs, never by their variable (an output may be a
+constant, an input, or the same variable twice); the branches' types are made equal
+with JAX's own operations (`_joined`), not compared by hand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core.primitives import cond_p
-from jax.extend.core.primitives import select_n_p
 
 # The most outputs a part's cond carries (a parameter and Adam's moments of 64
 # leaves): XLA:CPU's compile time grows faster than linearly in them.
@@ -30,178 +40,174 @@ PART_OUTPUTS = 192
 
 
 class Part(NamedTuple):
-    """Connected equations of the step, and the step's outputs they give."""
+    """Equations of the step that give some of its outputs from some of its inputs."""
 
-    eqns: tuple[Any, ...]
-    inputs: tuple[Any, ...]  # the variables it reads and does not define
-    outputs: tuple[Any, ...]  # the variables it gives
-    positions: tuple[int, ...]  # where they are among the step's outputs
-
-
-class Plan(NamedTuple):
-    """A step's jaxpr as equations on scalars and independent parts."""
-
-    closed: Any  # the step's `ClosedJaxpr`
-    scalars: Part | None  # equations on scalars only: the step count, rates, ...
-    parts: tuple[Part, ...]
+    positions: tuple[int, ...]  # the outputs it gives, by position
+    held: tuple[int, ...]  # the inputs it reads, by position in `inputs(closed)`
+    jaxpr: Any  # a closed jaxpr from those inputs to those outputs
 
 
-def plan(closed: Any, part_outputs: int = PART_OUTPUTS) -> Plan:
-    """Splits the closed jaxpr of a step into its scalar part and other parts.
+def inputs(closed: Any) -> list[Any]:
+    """The values a step's jaxpr reads: its constants, then its operands' places."""
+    return [*closed.jaxpr.constvars, *closed.jaxpr.invars]
 
-    A step with effects (a callback in the optimizer, say) stays one part.
+
+def plan(
+    closed: Any, positions: Sequence[int], part_outputs: int = PART_OUTPUTS
+) -> tuple[Part, ...]:
+    """The parts that give the outputs at `positions` of the step `closed`.
+
+    Each part holds every equation its outputs depend on; two parts share no
+    equation but ones on scalars alone, which each runs on its own. A step
+    with effects (a callback in the optimizer, say) stays one part, in order.
     """
     jaxpr = closed.jaxpr
     if any(eqn.effects for eqn in jaxpr.eqns):
-        return Plan(closed, None, (_part(jaxpr.eqns, jaxpr.outvars),))
-    scalar = {v for v in (*jaxpr.constvars, *jaxpr.invars) if _is_scalar(v)}
-    scalar_eqns, rest = [], []
-    for eqn in jaxpr.eqns:
-        reads = (v for v in eqn.invars if not isinstance(v, jcore.Literal))
-        if all(map(_is_scalar, eqn.outvars)) and all(v in scalar for v in reads):
-            scalar_eqns.append(eqn)
-            scalar.update(eqn.outvars)
-        else:
-            rest.append(eqn)
-    parts: list = []
-    batch: list = []
-    count = 0
-    outputs = set(jaxpr.outvars)
-    for group in _connected(rest):
-        defined = sum(v in outputs for eqn in group for v in eqn.outvars)
-        if batch and count + defined > part_outputs:
-            parts.append(_part(batch, jaxpr.outvars))
-            batch, count = [], 0
+        return (_part(jaxpr, tuple(positions), all_equations=True),)
+    groups: dict[Any, list[int]] = {}
+    owners = _owners(jaxpr.eqns)
+    for k in positions:
+        groups.setdefault(owners(jaxpr.outvars[k]), []).append(k)
+    parts: list[list[int]] = []
+    batch: list[int] = []
+    for group in groups.values():
+        if batch and len(batch) + len(group) > part_outputs:
+            parts.append(batch)
+            batch = []
         batch += group
-        count += defined
     if batch:
-        parts.append(_part(batch, jaxpr.outvars))
-    scalars = None
-    if scalar_eqns:
-        read = {v for part in parts for v in part.inputs} | outputs
-        wanted = [v for eqn in scalar_eqns for v in eqn.outvars if v in read]
-        scalars = _part(scalar_eqns, wanted)
-    return Plan(closed, scalars, tuple(parts))
+        parts.append(batch)
+    return tuple(_part(jaxpr, tuple(sorted(part))) for part in parts)
 
 
-def conds(
-    step: Plan, operands: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
-) -> tuple[list, set[int]]:
-    """The step on `operands` (its flat inputs), each part under a `lax.cond`.
+def call(closed: Any, args: Sequence[Any]) -> list[Any]:
+    """`closed` applied to `args`, its equations bound as they are (not traced).
 
-    The scalar equations run first, on every step. A skipped part gives, for the
-    step's output `k`, the operand at `kept[k]` as it is, or negative zeros
-    where `kept[k]` is None (`p + (-0.0)` is `p` bit for bit, `-0.0` too).
-
-    Returns:
-      The flat outputs, and the positions that a cond gave: the others are
-      scalars or operands passed through, for the caller to keep or not.
+    A cond of one branch, which XLA inlines (as it does `platform_dependent`'s).
     """
-    jaxpr = step.closed.jaxpr
-    values = dict(zip(jaxpr.constvars, step.closed.consts, strict=True))
-    values.update(zip(jaxpr.invars, operands, strict=True))
-    if step.scalars is not None:
-        scalars = step.scalars
-        run = jcore.jaxpr_as_fun(_jaxpr(scalars.inputs, scalars.outputs, scalars.eqns))
-        results = run(*(values[v] for v in scalars.inputs))
-        values.update(zip(scalars.outputs, results, strict=True))
-    given: dict[int, Any] = {}
-    for part in step.parts:
-        keep = [kept[k] for k in part.positions]
-        held = (*part.inputs, *(jaxpr.invars[i] for i in keep if i is not None))
-        held = tuple(dict.fromkeys(held))  # each buffer enters the cond once
-        results = _cond(applied, part, held, keep, [values[v] for v in held], jaxpr)
-        given.update(zip(part.positions, results, strict=True))
-    outputs = [
-        given[k] if k in given else _value(v, values)
-        for k, v in enumerate(jaxpr.outvars)
-    ]
-    return outputs, set(given)
+    return cond_p.bind(np.int32(0), *args, branches=(closed,))
 
 
 def select(
-    step: Any, operands: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
-) -> list | None:
-    """The step on `operands`, and a select per output between it and the skip's.
+    closed: Any, values: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
+) -> list[Any]:
+    """The step on `values` (`inputs(closed)`'s), and per output a select.
 
-    A skipped step keeps what `conds` keeps. Returns None where the types of the
-    two differ.
-
-    The selects are put in the step's jaxpr, not traced: a call of it with the
-    selects added, which XLA inlines (as it does `platform_dependent`'s own).
-    `step` is the step's closed jaxpr.
+    A skipped step gives, for output `k`, the input at `kept[k]` as it is, or
+    negative zeros where `kept[k]` is None (`p + (-0.0)` is `p` bit for bit).
     """
-    jaxpr = step.jaxpr
-    zeros = {}
-    for out, i in zip(jaxpr.outvars, kept, strict=True):
-        if i is None and out.aval not in zeros:
-            zeros[out.aval] = negative_zeros(out.aval)
-    pred = jcore.Var(jax.typeof(applied))
-    zero_vars = {aval: jcore.Var(jax.typeof(value)) for aval, value in zeros.items()}
-    eqns, outputs = list(jaxpr.eqns), []
-    for out, i in zip(jaxpr.outvars, kept, strict=True):
-        stay = zero_vars[out.aval] if i is None else jaxpr.invars[i]
-        if stay is out:
-            outputs.append(out)  # an input the step returns as it is
+    jaxpr = closed.jaxpr
+    new = call(_opened(closed), values)
+    zeros = _ZerosOf()
+    results = []
+    for k, (out, i) in enumerate(zip(jaxpr.outvars, kept, strict=True)):
+        if i is not None and out is inputs(closed)[i]:
+            results.append(values[i])  # an input the step returns as it is
             continue
-        if stay.aval != out.aval:
-            return None  # a `shard_map` typing or a weak type: `lax.select_n`'s
-        new = jcore.Var(out.aval)
-        eqns.append(
-            jcore.new_jaxpr_eqn([pred, stay, out], [new], select_n_p, {}, frozenset())
-        )
-        outputs.append(new)
-    inputs = [pred, *zero_vars.values(), *jaxpr.constvars, *jaxpr.invars]
-    branch = _jaxpr(inputs, outputs, eqns)
-    values = [applied, *zeros.values(), *step.consts, *operands]
-    return cond_p.bind(np.int32(0), *values, branches=(branch,))
+        stay = zeros(out.aval) if i is None else values[i]
+        stay = _joined(stay, out.aval)
+        results.append(lax.select_n(applied, stay, _joined(new[k], jax.typeof(stay))))
+    return results
+
+
+def conds(
+    closed: Any, values: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
+) -> list[Any]:
+    """`select`'s results, with each part of the step under a `lax.cond`."""
+    jaxpr = closed.jaxpr
+    places = inputs(closed)
+    results: list[Any] = [None] * len(jaxpr.outvars)
+    skipped = []
+    for k, (out, i) in enumerate(zip(jaxpr.outvars, kept, strict=True)):
+        if i is not None and out is places[i]:
+            results[k] = values[i]  # an input the step returns as it is
+        else:
+            skipped.append(k)
+    for part in plan(closed, skipped):
+        stays = [kept[k] for k in part.positions]
+        outs = [jaxpr.outvars[k].aval for k in part.positions]
+        given = _cond(applied, part, values, stays, outs)
+        for k, value in zip(part.positions, given, strict=True):
+            results[k] = value
+    return results
+
+
+def _cond(applied, part: Part, values, stays, outs) -> list[Any]:
+    """`lax.cond(applied, part, skip)`: the part's equations bound as they are."""
+    # The operands: what the part reads, then what a skip keeps that it does
+    # not read. Each buffer enters the cond once.
+    operands = list(part.held)
+    operands += [
+        i for i in dict.fromkeys(stays) if i is not None and i not in part.held
+    ]
+    where = {i: n for n, i in enumerate(operands)}
+
+    def applied_part(*args):
+        new = call(part.jaxpr, args[: len(part.held)])
+        return [
+            _joined(x, _zeros_type(out) if i is None else jax.typeof(args[where[i]]))
+            for x, out, i in zip(new, outs, stays, strict=True)
+        ]
+
+    def skipped_part(*args):
+        zeros = _ZerosOf()
+        return [
+            _joined(zeros(out) if i is None else args[where[i]], out)
+            for out, i in zip(outs, stays, strict=True)
+        ]
+
+    return lax.cond(applied, applied_part, skipped_part, *(values[i] for i in operands))
 
 
 def negative_zeros(aval: Any) -> jax.Array:
     """What a skipped step's updates are: `p + (-0.0)` is `p`, bit for bit."""
-    return jax.numpy.full_like(jax.ShapeDtypeStruct.like(aval), -0.0)
+    return jnp.full_like(jax.ShapeDtypeStruct.like(aval), -0.0)
 
 
-def _cond(applied, part, held, keep, operands, jaxpr):
-    """`lax.cond(applied, part, skip)`, with the part's equations bound as they are."""
-    # In the outputs' order (a set's would vary): the same program every time.
-    zeros = dict.fromkeys(
-        jaxpr.outvars[k].aval
-        for k, i in zip(part.positions, keep, strict=True)
-        if i is None
-    )
-    made = jax.make_jaxpr(lambda: [negative_zeros(aval) for aval in zeros])()
-    made_for = dict(zip(zeros, made.jaxpr.outvars, strict=True))
-    skipped = [
-        made_for[out.aval] if i is None else jaxpr.invars[i]
-        for out, i in zip(part.outputs, keep, strict=True)
-    ]
-    false = _jaxpr(held, skipped, made.jaxpr.eqns)
-    branch = _jaxpr(held, part.outputs, part.eqns)
-    if not made.consts and false.out_avals == branch.out_avals:
-        index = lax.convert_element_type(applied, np.int32)
-        return cond_p.bind(index, *operands, branches=(false, branch))
-    # Types the branches differ in (a `shard_map` typing that `lax.cond`
-    # reconciles): the slower path, which traces the part again.
-    where = {v: i for i, v in enumerate(held)}
-    return lax.cond(
-        applied,
-        jcore.jaxpr_as_fun(branch),
-        lambda *values: [
-            values[where[v]] if v in where else negative_zeros(v.aval) for v in skipped
-        ],
-        *operands,
-    )
+class _ZerosOf(dict):
+    """`negative_zeros`, made once per type (a step's updates share a few)."""
+
+    def __call__(self, aval: Any) -> jax.Array:
+        if aval not in self:
+            self[aval] = negative_zeros(aval)
+        return self[aval]
 
 
-def _value(v: Any, values: dict) -> Any:
-    if isinstance(v, jcore.Literal):
-        return np.asarray(v.val, v.aval.dtype)  # type: ignore[attr-defined]  # a shaped aval
-    return values[v]
+def _zeros_type(aval: Any) -> Any:
+    """The type of `negative_zeros(aval)`: never weak."""
+    return aval.update(weak_type=False)
 
 
-def _connected(eqns: list) -> list[list]:
-    """The equations grouped into connected parts, each in the jaxpr's order."""
+def _joined(x: Any, other: Any) -> Any:
+    """`x` with the type that a select of it and a value of type `other` has.
+
+    Weak only if both are, and varying over the `shard_map` axes either
+    varies over: the two branches of a skip then have one type by construction.
+    """
+    mine = jax.typeof(x)
+    if mine.weak_type and not other.weak_type:
+        x = lax.convert_element_type(x, mine.dtype)
+    missing = _varying(other) - _varying(mine)
+    if missing:
+        x = lax.pcast(x, tuple(sorted(missing)), to="varying")
+    return x
+
+
+def _varying(aval: Any) -> frozenset:
+    """The `shard_map` axes a value of type `aval` varies over (jax 0.10 and on)."""
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def _owners(eqns: Sequence[Any]) -> Any:
+    """A function from a variable to the part it belongs to (None: any part).
+
+    Union-find over the equations that are not on scalars alone; an equation on
+    scalars joins the parts of what it reads, as each part that reads its
+    result must compute it, and what that needs, itself.
+    """
     parent = list(range(len(eqns)))
 
     def root(i: int) -> int:
@@ -210,45 +216,64 @@ def _connected(eqns: list) -> list[list]:
             i = parent[i]
         return i
 
-    producer: dict[Any, int] = {}
+    def join(found: Iterable[int]) -> int | None:
+        roots = sorted({root(i) for i in found})
+        for other in roots[1:]:
+            parent[other] = roots[0]
+        return roots[0] if roots else None
+
+    owner: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            j = None if isinstance(v, jcore.Literal) else producer.get(v)
-            if j is not None:  # not a literal, nor an input of the step
-                a, b = root(i), root(j)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
-        for v in eqn.outvars:
-            producer[v] = i
-    groups: dict[int, list] = {}
-    for i, eqn in enumerate(eqns):
-        groups.setdefault(root(i), []).append(eqn)
-    return list(groups.values())
+        found = [owner[v] for v in _vars(eqn.invars) if v in owner]
+        if _on_scalars(eqn):
+            joined = join(found)
+            if joined is None:
+                continue
+        else:
+            joined = join([i, *found])
+        for v in _vars(eqn.outvars):
+            owner[v] = joined  # type: ignore[assignment]  # not None here
+    return lambda v: root(owner[v]) if isinstance(v, jcore.Var) and v in owner else None
 
 
-def _part(eqns: Sequence[Any], wanted: Sequence[Any]) -> Part:
-    """`eqns` as a part giving the variables of `wanted` that they define."""
-    defined: set = set()
-    inputs: dict = {}
-    for eqn in eqns:
-        for v in eqn.invars:
-            if isinstance(v, jcore.Var) and v not in defined:
-                inputs.setdefault(v, None)
-        defined.update(eqn.outvars)
-    positions = tuple(k for k, v in enumerate(wanted) if v in defined)
-    outputs = tuple(wanted[k] for k in positions)
-    return Part(tuple(eqns), tuple(inputs), outputs, positions)
-
-
-def _jaxpr(inputs: Sequence[Any], outputs: Sequence[Any], eqns: Sequence[Any]) -> Any:
-    """A closed jaxpr of `eqns`, from `inputs` (a superset of theirs) to `outputs`."""
+def _part(jaxpr: Any, positions: tuple[int, ...], all_equations: bool = False) -> Part:
+    """The part giving the outputs at `positions`: the equations they depend on."""
+    places = [*jaxpr.constvars, *jaxpr.invars]
+    needed = set(_vars(jaxpr.outvars[k] for k in positions))
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        if all_equations or any(v in needed for v in _vars(eqn.outvars)):
+            eqns.append(eqn)
+            needed.update(_vars(eqn.invars))
+    eqns.reverse()
+    held = tuple(i for i, v in enumerate(places) if v in needed)
     effects = frozenset().union(*(eqn.effects for eqn in eqns))
+    outvars = [jaxpr.outvars[k] for k in positions]
     debug = jcore.DebugInfo(
-        "lossscale", "a part of the step", ("",) * len(inputs), ("",) * len(outputs)
+        "lossscale", "a part of the step", ("",) * len(held), ("",) * len(outvars)
     )
-    jaxpr = jcore.Jaxpr((), tuple(inputs), list(outputs), list(eqns), effects, debug)
-    return jcore.ClosedJaxpr(jaxpr, ())
+    part = jcore.Jaxpr((), [places[i] for i in held], outvars, eqns, effects, debug)
+    return Part(positions, held, jcore.ClosedJaxpr(part, ()))
 
 
-def _is_scalar(v: Any) -> bool:
-    return getattr(v.aval, "shape", None) == ()
+def _opened(closed: Any) -> Any:
+    """`closed` as a jaxpr of `inputs(closed)`: its constants become operands."""
+    jaxpr = closed.jaxpr
+    places = inputs(closed)
+    debug = jcore.DebugInfo(
+        "lossscale", "the applied step", ("",) * len(places), ("",) * len(jaxpr.outvars)
+    )
+    opened = jcore.Jaxpr((), places, jaxpr.outvars, jaxpr.eqns, jaxpr.effects, debug)
+    return jcore.ClosedJaxpr(opened, ())
+
+
+def _vars(atoms: Iterable[Any]) -> list[Any]:
+    """The variables among `atoms`: a literal is a value, and is never looked up."""
+    return [v for v in atoms if isinstance(v, jcore.Var)]
+
+
+def _on_scalars(eqn: Any) -> bool:
+    """Whether an equation reads and gives scalars only (cheap to run in each part)."""
+    return not eqn.effects and all(
+        getattr(v.aval, "shape", None) == () for v in _vars([*eqn.invars, *eqn.outvars])
+    )

@@ -92,11 +92,11 @@ def guarded_step(
        leaf is first not to be (with `clip_norm`, their global norm is the
        check), and whether the loss `value` is; agrees on all three over
        `axis_name`.
-    3. Applied: `optimizer` on the unscaled (and clipped) gradients; with
-       `apply_updates` the step adds the updates to the parameters itself, so
-       the new parameters cross the skip, else the updates do. Skipped: the
-       parameters and `carry` as they were, bit for bit, and negative-zero
-       updates. A `lax.cond` on XLA:CPU, a select elsewhere.
+    3. Applied: `optimizer` on the unscaled (and clipped) gradients. Skipped:
+       `carry` as it was, bit for bit, and negative-zero updates. The updates
+       cross the skip, and with `apply_updates` the step adds them to the
+       parameters after it, as `wrap`'s caller does. A `lax.cond` on XLA:CPU,
+       a select elsewhere (`split`).
     4. Updates the loss-scale state: the unscaling used the scale the loss was
        multiplied by, the next step uses the new one.
 
@@ -118,15 +118,16 @@ def guarded_step(
     loss = None if inputs.value is None else checks.validate_loss(inputs.value, "value")
 
     def applied_step(grads, kept, norm):
-        # What an applied step does, traced once below. With `apply_updates` the
-        # parameters and the fp8 values are kept by a skipped step too.
-        params, carry, old = kept if apply_updates else (split.params, kept, split.old)
-        grads = unscaling.unscale(grads, loss_scale, params)
+        # What an applied step does, traced once below. The updates cross the
+        # skip in both modes, and `apply_updates` adds them after it, where
+        # `wrap`'s caller does (design.md, "Where the update crosses the skip").
+        carry, old = kept if apply_updates else (kept, split.old)
+        grads = unscaling.unscale(grads, loss_scale, split.params)
         if options.clip_norm is not None:
             grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
-        new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
-        if apply_updates:
-            return None, (optax.apply_updates(params, new.updates), new.carry, new.fp8)
+        new = optimizer(OptimizerInput(grads, split.params, carry, split.new, old))
+        if apply_updates:  # the fp8 values are kept by a skipped step too
+            return new.updates, (new.carry, new.fp8)
         # The fp8 values as what `optax.apply_updates` adds to the old ones.
         return (new.updates, fp8.differences(new.fp8, old)), new.carry
 
@@ -143,47 +144,40 @@ def guarded_step(
     applied, norm = jax.lax.optimization_barrier(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
-    kept = (split.params, carry, split.old) if apply_updates else carry
+    kept = (carry, split.old) if apply_updates else carry
     operands = (split.grads, kept, norm)
-    # Traced once: the select forms call it, XLA:CPU's splits its jaxpr.
+    # Traced once: each backend's form is built from its jaxpr (`split`).
     jitted = jax.jit(applied_step)
     traced, shapes = jax.make_jaxpr(jitted, return_shape=True)(*operands)
     checks.refuse_changed_types(shapes[1], kept)
-    leaves, in_tree = jax.tree.flatten(operands)
+    inner = _inner(traced)
+    leaves = jax.tree.leaves(operands)
     out_tree = jax.tree.structure(shapes)
     # What a skipped step gives for each output: the kept operand at that
-    # position, or negative zeros (`wrap`'s updates) where None.
-    first_kept, kept_count = (
-        len(leaves) - len(jax.tree.leaves((kept, norm))),
-        len(jax.tree.leaves(kept)),
-    )
+    # position of the step's inputs (its constants first), or negative zeros
+    # (the updates) where None.
+    first_kept = len(inner.consts) + len(leaves) - len(jax.tree.leaves((kept, norm)))
+    kept_count = len(jax.tree.leaves(kept))
     skipped: list[int | None] = [None] * (out_tree.num_leaves - kept_count)
     skipped += range(first_kept, first_kept + kept_count)
 
-    inner = _inner(traced)
+    def form(build):
+        return lambda *leaves: build(inner, [*inner.consts, *leaves], applied, skipped)
 
-    def select(*leaves):
-        selected = split_step.select(inner, leaves, applied, skipped)
-        if selected is not None:
-            return selected
-        new = jax.tree.leaves(jitted(*jax.tree.unflatten(in_tree, leaves)))
-        return _select(applied, new, leaves, skipped, traced.jaxpr.outvars, set())
-
-    def conds(*leaves):
-        step = split_step.plan(inner)
-        flat, decided = split_step.conds(step, leaves, applied, skipped)
-        return _select(
-            applied, flat, leaves, skipped, step.closed.jaxpr.outvars, decided
-        )
-
-    flat = finite.per_backend(*leaves, cpu=conds, gpu=select, tpu=select)
+    flat = finite.per_backend(
+        *leaves,
+        cpu=form(split_step.conds),
+        gpu=form(split_step.select),
+        tpu=form(split_step.select),
+    )
     output, kept = jax.tree.unflatten(out_tree, flat)
     loss_scale = update.next_state(
         loss_scale, checked.grads_finite, checked.loss_finite, checked.first
     )
-    if apply_updates:  # the parameters and the fp8 values crossed the skip
-        tree, carry, collection = kept
-    else:  # the updates and the fp8 values' differences did
+    if apply_updates:  # a skipped step's updates are negative zeros
+        updates, (carry, collection) = output, kept
+        tree = optax.apply_updates(split.params, updates)
+    else:  # the updates and the fp8 values' differences crossed the skip
         (tree, collection), carry = output, kept
     return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
 
@@ -211,18 +205,3 @@ def _inner(closed: Any) -> Any:
     return jcore.ClosedJaxpr(
         jaxpr, [consts[v] for v in consts if v in by_outer] + list(inner.consts)
     )
-
-
-def _select(applied, new, old, skipped, outvars, decided) -> list:
-    """Each output: as given where `decided`, else `new` if applied, else kept."""
-    results = []
-    for k, (value, kept) in enumerate(zip(new, skipped, strict=True)):
-        if k not in decided:
-            stay = (
-                split_step.negative_zeros(outvars[k].aval)
-                if kept is None
-                else old[kept]
-            )
-            value = value if value is stay else jax.lax.select_n(applied, stay, value)
-        results.append(value)
-    return results
