@@ -202,24 +202,20 @@ def one_call_costs(params, grads, clip_norm=None):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's figures")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_costs_what_wrap_and_apply_updates_cost_in_xla_bytes(dtype):
+def test_costs_one_extra_read_of_the_gradients_in_xla_bytes(dtype):
     # Plain Adam reads grads, params, mu, nu and writes params, mu, nu (about 7
-    # gradient-sized float32 trees plus the grads). On XLA:CPU the updates cross
-    # the cond, as `wrap`'s do (so that the two give the same bits): written by
-    # the cond, read by the add after it, one float32 tree each way. The check
-    # reads float32 gradients once, 16-bit ones twice (max and min: on XLA:CPU
-    # that is 12x faster than a one-read custom reduction, see docs/design.md).
+    # gradient-sized float32 trees plus the grads); one more read of the
+    # gradients is about 1.10x (float32). 16-bit gradients are read twice (max
+    # and min: on XLA:CPU that is 12x faster than a one-read custom reduction,
+    # see docs/design.md), the bytes of one float32 read: about 1.11x.
     params = {f"p{i}": jnp.ones((20_000 + 1000 * i,), jnp.float32) for i in range(8)}
     grads = jax.tree.map(lambda p: (p * 1e-3).astype(dtype), params)
     plain_bytes, _ = compiled_costs(optax.adam(1e-3), params, grads)
     ours, temp = one_call_costs(params, grads)
     reads = 1 if jnp.dtype(dtype).itemsize == 4 else 2
     extra_read = sum(g.nbytes for g in jax.tree.leaves(grads))
-    updates = sum(p.nbytes for p in jax.tree.leaves(params))
-    expected = plain_bytes + reads * extra_read + 2 * updates
-    assert ours <= expected * 1.02, (ours / plain_bytes, expected / plain_bytes, dtype)
-    # No temp buffer beyond the updates that cross the cond.
-    assert temp <= updates * 1.05, (temp, updates)
+    assert ours <= plain_bytes + reads * extra_read * 1.1, (ours / plain_bytes, dtype)
+    assert temp <= 0.05 * extra_read, temp
 
 
 def _sgd_arguments():
@@ -470,14 +466,14 @@ def test_clip_norm_costs_no_pass_of_its_own_in_xla_bytes():
     # apply_gradients of plain Adam does.
     params = {f"p{i}": jnp.ones((20_000 + 1000 * i,), jnp.float32) for i in range(8)}
     grads = jax.tree.map(lambda p: p * 1e-3, params)
+    extra_read = sum(g.nbytes for g in jax.tree.leaves(grads))
     plain_bytes, _ = compiled_costs(optax.adam(1e-3), params, grads)
     chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
     chain_bytes, _ = compiled_costs(chain, params, grads)
-    unclipped, unclipped_temp = one_call_costs(params, grads)
     ours, temp = one_call_costs(params, grads, clip_norm=1.0)
-    assert ours <= unclipped * 1.01, (ours / unclipped, ours / plain_bytes)
-    assert ours < 0.9 * chain_bytes, ours / chain_bytes
-    assert temp <= unclipped_temp * 1.01, (temp, unclipped_temp)
+    assert ours <= plain_bytes + extra_read * 1.05, ours / plain_bytes
+    assert ours < 0.8 * chain_bytes, ours / chain_bytes
+    assert temp <= 0.05 * extra_read, temp
 
 
 def test_arguments_by_position_get_the_call_that_works():

@@ -39,6 +39,11 @@ from jax.extend.core.primitives import cond_p
 PART_OUTPUTS = 192
 
 
+# An output a form gives: its position among the step's outputs, and the position
+# among the step's inputs of what a skipped step keeps there (None: negative zeros).
+Output = tuple[int, int | None]
+
+
 class Part(NamedTuple):
     """Equations of the step that give some of its outputs from some of its inputs."""
 
@@ -89,47 +94,55 @@ def call(closed: Any, args: Sequence[Any]) -> list[Any]:
 
 
 def select(
-    closed: Any, values: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
+    closed: Any, values: Sequence[Any], applied: jax.Array, outputs: Sequence[Output]
 ) -> list[Any]:
-    """The step on `values` (`inputs(closed)`'s), and per output a select.
+    """The step on `values` (`inputs(closed)`'s), and a select per output taken.
 
-    A skipped step gives, for output `k`, the input at `kept[k]` as it is, or
-    negative zeros where `kept[k]` is None (`p + (-0.0)` is `p` bit for bit).
+    `outputs` are the outputs to give, each as `(k, i)`: a skipped step gives,
+    for the step's output `k`, the input at `i` as it is, or negative zeros
+    where `i` is None (`p + (-0.0)` is `p`, bit for bit).
     """
     jaxpr = closed.jaxpr
-    new = call(_opened(closed), values)
+    places = inputs(closed)
+    taken = [
+        (k, i) for k, i in outputs if i is None or jaxpr.outvars[k] is not places[i]
+    ]
+    effects = any(eqn.effects for eqn in jaxpr.eqns)
+    part = _part(jaxpr, tuple(k for k, _ in taken), all_equations=effects)
+    called = call(part.jaxpr, [values[i] for i in part.held])
+    new = dict(zip(part.positions, called, strict=True))
     zeros = _ZerosOf()
     results = []
-    for k, (out, i) in enumerate(zip(jaxpr.outvars, kept, strict=True)):
-        if i is not None and out is inputs(closed)[i]:
+    for k, i in outputs:
+        if k not in new and i is not None:
             results.append(values[i])  # an input the step returns as it is
             continue
-        stay = zeros(out.aval) if i is None else values[i]
-        stay = _joined(stay, out.aval)
+        out = jaxpr.outvars[k].aval
+        stay = _joined(zeros(out) if i is None else values[i], out)
         results.append(lax.select_n(applied, stay, _joined(new[k], jax.typeof(stay))))
     return results
 
 
 def conds(
-    closed: Any, values: Sequence[Any], applied: jax.Array, kept: Sequence[int | None]
+    closed: Any, values: Sequence[Any], applied: jax.Array, outputs: Sequence[Output]
 ) -> list[Any]:
     """`select`'s results, with each part of the step under a `lax.cond`."""
     jaxpr = closed.jaxpr
     places = inputs(closed)
-    results: list[Any] = [None] * len(jaxpr.outvars)
+    kept = dict(outputs)
+    given: dict[int, Any] = {}
     skipped = []
-    for k, (out, i) in enumerate(zip(jaxpr.outvars, kept, strict=True)):
-        if i is not None and out is places[i]:
-            results[k] = values[i]  # an input the step returns as it is
+    for k, i in outputs:
+        if i is not None and jaxpr.outvars[k] is places[i]:
+            given[k] = values[i]  # an input the step returns as it is
         else:
             skipped.append(k)
     for part in plan(closed, skipped):
         stays = [kept[k] for k in part.positions]
         outs = [jaxpr.outvars[k].aval for k in part.positions]
-        given = _cond(applied, part, values, stays, outs)
-        for k, value in zip(part.positions, given, strict=True):
-            results[k] = value
-    return results
+        results = _cond(applied, part, values, stays, outs)
+        given.update(zip(part.positions, results, strict=True))
+    return [given[k] for k, _ in outputs]
 
 
 def _cond(applied, part: Part, values, stays, outs) -> list[Any]:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
@@ -117,17 +118,19 @@ def guarded_step(
     )
     loss = None if inputs.value is None else checks.validate_loss(inputs.value, "value")
 
-    def applied_step(grads, kept, norm):
-        # What an applied step does, traced once below. The updates cross the
-        # skip in both modes, and `apply_updates` adds them after it, where
-        # `wrap`'s caller does (design.md, "Where the update crosses the skip").
+    def applied_step(grads, params, kept, norm, zero):
+        # What an applied step does, traced once below. With `apply_updates` it
+        # gives the updates (which the select forms add after the skip, where
+        # `wrap`'s caller does) and the parameters with them added (which the
+        # CPU form keeps or not): each form takes its own, and the rest is dead.
         carry, old = kept if apply_updates else (kept, split.old)
-        grads = unscaling.unscale(grads, loss_scale, split.params)
+        grads = unscaling.unscale(grads, loss_scale, params)
         if options.clip_norm is not None:
             grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
-        new = optimizer(OptimizerInput(grads, split.params, carry, split.new, old))
+        new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
         if apply_updates:  # the fp8 values are kept by a skipped step too
-            return new.updates, (new.carry, new.fp8)
+            added = _added(params, new.updates, zero)
+            return (new.updates, added), (new.carry, new.fp8)
         # The fp8 values as what `optax.apply_updates` adds to the old ones.
         return (new.updates, fp8.differences(new.fp8, old)), new.carry
 
@@ -145,41 +148,93 @@ def guarded_step(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
     kept = (carry, split.old) if apply_updates else carry
-    operands = (split.grads, kept, norm)
+    # -0.0 on an applied step, where the CPU form's cond reads it (`_added`).
+    zero = jnp.where(applied, jnp.float32(-0.0), jnp.float32(0.0))
+    operands = (split.grads, split.params, kept, norm, zero)
     # Traced once: each backend's form is built from its jaxpr (`split`).
     jitted = jax.jit(applied_step)
     traced, shapes = jax.make_jaxpr(jitted, return_shape=True)(*operands)
     checks.refuse_changed_types(shapes[1], kept)
     inner = _inner(traced)
     leaves = jax.tree.leaves(operands)
-    out_tree = jax.tree.structure(shapes)
-    # What a skipped step gives for each output: the kept operand at that
-    # position of the step's inputs (its constants first), or negative zeros
-    # (the updates) where None.
-    first_kept = len(inner.consts) + len(leaves) - len(jax.tree.leaves((kept, norm)))
-    kept_count = len(jax.tree.leaves(kept))
-    skipped: list[int | None] = [None] * (out_tree.num_leaves - kept_count)
-    skipped += range(first_kept, first_kept + kept_count)
-
-    def form(build):
-        return lambda *leaves: build(inner, [*inner.consts, *leaves], applied, skipped)
-
-    flat = finite.per_backend(
-        *leaves,
-        cpu=form(split_step.conds),
-        gpu=form(split_step.select),
-        tpu=form(split_step.select),
+    # The outputs each form takes, by position, with what a skipped step gives
+    # for each: the input at that position of the step's inputs (its constants
+    # first), or negative zeros (the updates) where None.
+    grads_count, params_count, kept_count = (
+        len(jax.tree.leaves(tree)) for tree in operands[:3]
     )
-    output, kept = jax.tree.unflatten(out_tree, flat)
+    first = len(jax.tree.leaves(shapes[0]))
+    params_at = len(inner.consts) + grads_count
+    kept_at = params_at + params_count
+    carried = [(first + j, kept_at + j) for j in range(kept_count)]
+    updates = [(k, None) for k in range(len(jax.tree.leaves(shapes[0][0])))]
+    if apply_updates:  # the parameters with the updates added follow them
+        added = [(len(updates) + j, params_at + j) for j in range(params_count)]
+    else:
+        updates = [(k, None) for k in range(first)]  # the fp8 differences too
+
+    def select(*leaves):
+        given = split_step.select(
+            inner, [*inner.consts, *leaves], applied, updates + carried
+        )
+        if not apply_updates:
+            return given
+        new = jax.tree.unflatten(
+            jax.tree.structure(shapes[0][0]), given[: len(updates)]
+        )
+        params = jax.tree.unflatten(
+            jax.tree.structure(split.params),
+            leaves[grads_count : grads_count + params_count],
+        )
+        return [
+            *jax.tree.leaves(optax.apply_updates(params, new)),
+            *given[len(updates) :],
+        ]
+
+    def conds(*leaves):
+        return split_step.conds(
+            inner,
+            [*inner.consts, *leaves],
+            applied,
+            (added if apply_updates else updates) + carried,
+        )
+
+    flat = finite.per_backend(*leaves, cpu=conds, gpu=select, tpu=select)
+    if apply_updates:
+        tree = jax.tree.unflatten(jax.tree.structure(split.params), flat[:params_count])
+        carry, collection = jax.tree.unflatten(
+            jax.tree.structure(shapes[1]), flat[params_count:]
+        )
+    else:
+        (tree, collection), carry = jax.tree.unflatten(jax.tree.structure(shapes), flat)
     loss_scale = update.next_state(
         loss_scale, checked.grads_finite, checked.loss_finite, checked.first
     )
-    if apply_updates:  # a skipped step's updates are negative zeros
-        updates, (carry, collection) = output, kept
-        tree = optax.apply_updates(split.params, updates)
-    else:  # the updates and the fp8 values' differences crossed the skip
-        (tree, collection), carry = output, kept
     return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
+
+
+def _added(params: Any, updates: Any, zero: jax.Array) -> Any:
+    """`optax.apply_updates(params, updates)`, with each update rounded first.
+
+    XLA:CPU fuses an add into the multiply before it as one rounding (an FMA),
+    where `wrap`'s caller adds updates already rounded. Adding `zero`, a -0.0
+    known only at run time, first makes that add the one fused: `x + (-0.0)` is
+    `x`, rounded, and the second add then rounds as the caller's does
+    (design.md, "Where the update crosses the skip").
+    """
+
+    def rounded(u):
+        z = zero.astype(jnp.real(u).dtype)
+        if jnp.iscomplexobj(u):
+            return jax.lax.complex(jnp.real(u) + z, jnp.imag(u) + z)
+        return u + z
+
+    return jax.tree.map(
+        lambda p, u: None if p is None else optax.apply_updates(p, rounded(u)),
+        params,
+        updates,
+        is_leaf=lambda x: x is None,
+    )
 
 
 def _inner(closed: Any) -> Any:
