@@ -7,7 +7,36 @@
 #   SIZES=1M STEPS=3 LM_STEPS=20 QUICK=1 bash benchmarks/gpu_run.sh   # a CPU smoke run
 #
 # Peers the machine lacks (Keras 3, mpx) come as wheels in .whl/, if present.
+#
+# `rl` runs the RL stage alone (issue 52; benchmarks/rl_long_run.py says what it
+# does): GRPO in bfloat16, float16 + lossscale and float32, within RL_BUDGET seconds
+# of wall time from this script's start (default 330, 180 with QUICK), each run
+# written out to $OUT/rl_long_run_<device>.{json,md,png} as it ends, the log in
+# $OUT/rl_long_run.log; a hard stop 20 s after the budget.
+#
+#   OUT=$OUT RL_BUDGET=330 bash benchmarks/gpu_run.sh rl   # on the GPU: 6 min at most
+#   QUICK=1 OUT=/tmp/rl bash benchmarks/gpu_run.sh rl      # a CPU smoke run (180 s)
 set -u
+if [ "${1:-}" = rl ]; then
+    start=$(date +%s.%N)
+    OUT=${OUT:-benchmarks/results/gpu}
+    mkdir -p "$OUT"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    PY=${PY:-python3}
+    if [ -n "${QUICK:-}" ]; then budget=${RL_BUDGET:-180}; else budget=${RL_BUDGET:-330}; fi
+    export RL_COMMAND="OUT=$OUT RL_BUDGET=$budget${QUICK:+ QUICK=$QUICK} bash benchmarks/gpu_run.sh rl"
+    # A rerun on the same machine finds its compiles here.
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache_rl}
+    echo "== rl ($(date +%T)): budget $budget s"
+    timeout -k 5 $((${budget%.*} + 20)) $PY benchmarks/rl_long_run.py \
+        --budget "$budget" --start-time "$start" --out-dir "$OUT" ${QUICK:+--quick} \
+        2>&1 | tee "$OUT/rl_long_run.log"
+    status=${PIPESTATUS[0]}
+    echo "== rl: exit $status ($(date +%T))"
+    if [ -n "${PACK:-}" ]; then tar czf "$PACK" -C "$OUT" .; fi
+    ls -la "$OUT"
+    exit "$status"
+fi
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

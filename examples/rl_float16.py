@@ -3,6 +3,7 @@
     python examples/rl_float16.py                       # float16 + lossscale
     python examples/rl_float16.py --precision bfloat16  # or float32, float16-unscaled
     python examples/rl_float16.py --quick               # a smoke run
+    python examples/rl_float16.py --help                # every flag, its default
 
 The byte-level transformer of `benchmarks/language_model.py` (Flax linen, float32
 parameters) is pretrained briefly in float32 on the Python documentation
@@ -20,11 +21,23 @@ weights each token by the importance ratio p_trainer / p_sampler (the sampler's
 log-probs held fixed), clipped as in PPO, times its group-normalised advantage
 (GRPO).
 
-The step is lossscale's recipe: `lossscale.preflight` once on the first batch, then
-`lossscale.value_and_grad` and `lossscale.apply_gradients` in a jitted step. The
-example prints the preflight report, then the reward, the mismatch, the loss scale
-and the skipped steps as it trains. `benchmarks/rl_fine_tuning.py` runs it over
-precisions and seeds and measures what it does not: the gradients lost to underflow.
+Both programs read the same float32 parameters and cast each dense layer's weights
+to the compute dtype where they use them (the sampler in `_dense`, Flax's `Dense`
+in the trainer); both keep the layer norms, the embeddings and the output
+projection in float32. A cast rounds to nearest, so this gives the same 16-bit
+weights as a copy cast once per weight sync, which is what an inference engine
+holds: the mismatch does not come from the weights.
+
+The step is lossscale's recipe: `lossscale.preflight` once on the first batch (a
+dynamic scale starts where `start_scale` says), then `lossscale.value_and_grad` and
+`lossscale.apply_gradients` in a jitted step. The example prints the preflight
+report (stderr), then one line per step (`--print-every`): the step, the mean
+reward, the mean |log p_trainer - log p_sampler| of the sampled bytes, the largest
+importance ratio p_trainer / p_sampler, the global norm of the unscaled gradients,
+the loss scale and the skipped steps so far; and a summary at the end.
+`benchmarks/rl_fine_tuning.py` runs it over precisions and seeds and measures what
+it does not: the gradients lost to underflow. `benchmarks/rl_long_run.py` runs it
+for hundreds of steps on a larger model, on a GPU.
 """
 
 from __future__ import annotations
@@ -245,8 +258,12 @@ def trainer_log_probs(model, params, tokens: jax.Array, prompt_length: int):
     Returns:
       `(batch, new tokens, 256)` float32 log-probabilities, as `sample`'s.
     """
-    logits = model.apply({"params": params}, tokens[:, :-1])
-    return jax.nn.log_softmax(logits[:, prompt_length - 1 :].astype(F32))
+    # Every position in, the last one's logits dropped: the model is causal, so
+    # this is the forward of `tokens[:, :-1]`. But 16 + 32 positions tile where
+    # 47 do not: XLA:GPU's GEMM emitter (jaxlib 0.10.2, compiled for an H100)
+    # failed on 64 x 47 rows, "Couldn't find output tile sizes".
+    logits = model.apply({"params": params}, tokens)[:, prompt_length - 1 : -1]
+    return jax.nn.log_softmax(logits.astype(F32))
 
 
 def mismatch(sampler_log_probs, trainer_log_probs, generated) -> dict[str, jax.Array]:
@@ -376,12 +393,19 @@ class Program(NamedTuple):
 
 
 @functools.cache
-def program(compute, learning_rate: float, prompt_length: int, width: int, layers):
+def program(
+    compute, learning_rate: float, prompt_length: int, width: int, layers, heads=4
+):
     """The trainer's model, Adam, the loss and the jitted step, for `compute`.
 
     Cached, so that runs of several seeds in one process compile the step once.
+    The step returns the new `(params, opt_state, loss_scale)`, the loss, the
+    mismatch dict and the global norm of the unscaled gradients (the norm the
+    clip sees; not finite on a skipped step).
     """
-    model = language_model.ByteLM(width=width, layers=layers, compute=compute)
+    model = language_model.ByteLM(
+        width=width, layers=layers, heads=heads, compute=compute
+    )
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(learning_rate))
     loss_fn = functools.partial(rl_loss, model=model, prompt_length=prompt_length)
 
@@ -390,6 +414,8 @@ def program(compute, learning_rate: float, prompt_length: int, width: int, layer
         (loss, aux), grads = lossscale.value_and_grad(loss_fn, has_aux=True)(
             loss_scale, params, tokens, sampler_lp, advantages
         )
+        unscaled = jax.tree.leaves(lossscale.unscale_grads(grads, loss_scale))
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in unscaled))
         params, opt_state, loss_scale = lossscale.apply_gradients(
             tx,
             grads=grads,  # of the scaled loss
@@ -398,7 +424,7 @@ def program(compute, learning_rate: float, prompt_length: int, width: int, layer
             loss_scale=loss_scale,
             value=loss,  # a non-finite loss is skipped without backing off
         )
-        return params, opt_state, loss_scale, loss, aux
+        return params, opt_state, loss_scale, loss, aux, grad_norm
 
     return Program(model, tx, loss_fn, train_step)
 
@@ -411,10 +437,20 @@ def prompt_stream(data: np.ndarray, prompts: int, length: int, seed: int) -> Ite
         yield jnp.asarray(np.stack([data[s : s + length] for s in starts]), jnp.int32)
 
 
-def pretrain(steps: int, seed: int = 0, batch: int = 64, evals: int = 4):
+def pretrain(
+    steps: int,
+    seed: int = 0,
+    batch: int = 64,
+    evals: int = 4,
+    *,
+    width: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+):
     """`benchmarks/language_model.py`'s float32 training: (params, held-out loss).
 
-    `steps` of Adam on `batch` windows of 128 bytes; the held-out loss (nats per
+    `steps` of Adam on `batch` windows of 128 bytes, for a model of `layers`
+    blocks of `width` with `heads` attention heads; the held-out loss (nats per
     byte) is the mean over `evals` batches of 64.
     """
     data, held_out = language_model.corpus()
@@ -425,15 +461,17 @@ def pretrain(steps: int, seed: int = 0, batch: int = 64, evals: int = 4):
         learning_rate=3e-3,
         eval_batches=evals,
         float16_norms=False,
-        width=64,
-        layers=2,
-        heads=4,
+        width=width,
+        layers=layers,
+        heads=heads,
     )
     run = language_model.train("float32", args, data, held_out, seed)
     return run["params"], run["held_out_loss"]
 
 
-def rollout(params, prompts, key, *, compute, group: int, new_tokens: int):
+def rollout(
+    params, prompts, key, *, compute, group: int, new_tokens: int, heads: int = 4
+):
     """One on-policy batch: `group` samples per prompt from the sampler.
 
     Returns:
@@ -443,7 +481,7 @@ def rollout(params, prompts, key, *, compute, group: int, new_tokens: int):
     """
     prompts = jnp.repeat(prompts, group, axis=0)
     generated, sampler_lp = sample(
-        params, prompts, key, new_tokens=new_tokens, compute=compute
+        params, prompts, key, new_tokens=new_tokens, compute=compute, heads=heads
     )
     rewards = reward(generated)
     tokens = jnp.concatenate([prompts, generated], axis=1)
@@ -454,6 +492,39 @@ def shape_of(params) -> tuple[int, int]:
     """The width and the number of blocks of a `ByteLM`'s parameters."""
     layers = sum(name.startswith("Block_") for name in params)
     return params["position"].shape[1], layers
+
+
+def start_scale(loss_scale: lossscale.LossScale, report) -> lossscale.LossScale:
+    """Where a dynamic scale starts, from `preflight`'s report on the first batch.
+
+    At lossscale's default (2**15), unless `report.scale` is lower, or
+    `preflight` finds gradients lost to underflow at 2**15: then at
+    `report.scale`. A start above the first overflow backs off one skipped step
+    at a time, and in RL a skipped step is a rollout batch thrown away; a start
+    higher than the default where nothing underflows gains nothing. Any other
+    loss scale is returned as it is.
+    """
+    if not isinstance(loss_scale, lossscale.DynamicLossScale) or report.scale is None:
+        return loss_scale
+    if report.scale < float(loss_scale.scale) or "gradient-underflow" in report.codes:
+        return lossscale.DynamicLossScale(scale=report.scale)
+    return loss_scale
+
+
+PROGRESS_HEADER = (
+    f"{'step':>5} {'reward':>6} {'|dlogp|':>9} {'max ratio':>9} {'grad norm':>9}"
+    f" {'scale':>7} {'skipped':>7}"
+)
+
+
+def progress_line(step: int, record: dict) -> str:
+    """One step's line under `PROGRESS_HEADER`, from host values."""
+    mismatch = record["mismatch"]
+    return (
+        f"{step:5d} {record['reward']:6.3f} {mismatch['abs_log_prob_diff']:9.2e}"
+        f" {mismatch['max_ratio']:9.5f} {record['grad_norm']:9.3g}"
+        f" {record['scale']:7g} {record['skipped']:7d}"
+    )
 
 
 def fine_tune(
@@ -467,8 +538,10 @@ def fine_tune(
     prompt_length: int = 16,
     new_tokens: int = 32,
     learning_rate: float = 1e-4,
+    heads: int = 4,
     run_preflight: bool = True,
     on_step=None,
+    print_every: int = 0,
 ):
     """RL fine-tuning from `params` in one precision; the per-step record.
 
@@ -482,23 +555,30 @@ def fine_tune(
       prompt_length: bytes of each prompt.
       new_tokens: bytes sampled per continuation.
       learning_rate: Adam's.
-      run_preflight: run `lossscale.preflight` on the first batch (and print it).
+      heads: the model's attention heads (its parameters do not say).
+      run_preflight: run `lossscale.preflight` on the first batch (and print it);
+        a dynamic scale then starts where `start_scale` says.
       on_step: called as `on_step(step, params, batch, loss_scale)` before each
         update, `batch` as `rollout` returns it (the benchmark measures the
-        gradients lost to underflow there).
+        gradients lost to underflow there). If it returns True, the run ends
+        there, before that step's update, and the record holds the steps done.
+      print_every: print a line under `PROGRESS_HEADER` every this many steps
+        and at the last (0: none). Each line waits for the device; the rollout
+        that follows waits for the update anyway.
 
     Returns:
       A dict: the final `params`, the `preflight` report (or None), and per step
-      the mean `reward`, the `loss`, the `mismatch` dict, the loss `scale` and the
-      `skipped` steps so far.
+      the mean `reward`, the `loss`, the `mismatch` dict, the loss `scale`, the
+      `skipped` steps so far and the unscaled gradients' global norm
+      (`grad_norm`).
     """
     compute, scale_spec = PRECISIONS[precision]
-    run = program(compute, learning_rate, prompt_length, *shape_of(params))
+    run = program(compute, learning_rate, prompt_length, *shape_of(params), heads)
     opt_state, loss_scale = run.tx.init(params), new_loss_scale(scale_spec)
     data, _ = language_model.corpus()
     stream = prompt_stream(data, prompts, prompt_length, seed)
     draw = functools.partial(
-        rollout, compute=compute, group=group, new_tokens=new_tokens
+        rollout, compute=compute, group=group, new_tokens=new_tokens, heads=heads
     )
     keys = jax.random.split(jax.random.key(seed), steps)
     batch = draw(params, next(stream), keys[0])
@@ -515,52 +595,120 @@ def fine_tune(
             has_aux=True,
         )
         print(f"== preflight, {precision}\n{report}", file=sys.stderr)
-    history = {name: [] for name in ("reward", "loss", "mismatch", "scale", "skipped")}
+        loss_scale = start_scale(loss_scale, report)
+    names = ("reward", "loss", "mismatch", "scale", "skipped", "grad_norm")
+    history = {name: [] for name in names}
+    if print_every:
+        print(PROGRESS_HEADER, flush=True)
     for step in range(steps):
         if step:
             batch = draw(params, next(stream), keys[step])
         tokens, sampler_lp, advantages, rewards = batch
-        if on_step is not None:
-            on_step(step, params, batch, loss_scale)
-        params, opt_state, loss_scale, loss, aux = run.train_step(
+        if on_step is not None and on_step(step, params, batch, loss_scale):
+            break
+        params, opt_state, loss_scale, loss, aux, grad_norm = run.train_step(
             params, opt_state, loss_scale, tokens, sampler_lp, advantages
         )
         metrics = lossscale.metrics(loss_scale)
-        history["reward"].append(rewards.mean())
-        history["loss"].append(loss)
-        history["mismatch"].append(aux)
-        history["scale"].append(metrics["loss_scale"])
-        history["skipped"].append(metrics["skipped_steps"])
-    # One transfer at the end: the loop never waits for the device.
+        record = {
+            "reward": rewards.mean(),
+            "loss": loss,
+            "mismatch": aux,
+            "scale": metrics["loss_scale"],
+            "skipped": metrics["skipped_steps"],
+            "grad_norm": grad_norm,
+        }
+        for name, value in record.items():
+            history[name].append(value)
+        if print_every and (step % print_every == 0 or step == steps - 1):
+            host = jax.tree.map(lambda x: x.item(), jax.device_get(record))
+            print(progress_line(step, host), flush=True)
+    # Without printing, one transfer at the end: the loop never waits for the
+    # device.
     history = jax.tree.map(lambda x: x.item(), jax.device_get(history))
     return {"params": params, "preflight": report, **history}
 
 
 def main(argv=None):
-    """Pretrains, runs `preflight`, fine-tunes in one precision, prints the record."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--precision", default="float16", choices=SHORT_NAMES)
-    parser.add_argument("--pretrain-steps", type=int, default=200)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a short run")
+    """Pretrains, runs `preflight`, fine-tunes in one precision, prints each step."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--precision",
+        default="float16",
+        choices=SHORT_NAMES,
+        help="the sampler's and the trainer's compute dtype; float16 is float16"
+        " with a dynamic loss scale, float16-unscaled without",
+    )
+    parser.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=200,
+        help="float32 pretraining steps (64 windows of 128 bytes each)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=60, help="RL steps: one rollout and one update"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the RL run's prompts and sampling (the pretraining's seed is 0)",
+    )
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument(
+        "--group", type=int, default=8, help="samples per prompt (GRPO's group)"
+    )
+    parser.add_argument(
+        "--learning-rate", type=float, default=1e-4, help="the RL step's Adam"
+    )
+    parser.add_argument("--width", type=int, default=64, help="the model's width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument(
+        "--print-every",
+        type=int,
+        default=1,
+        help="a progress line every this many steps (0: only the summary)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: --pretrain-steps 40 --steps 10",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.pretrain_steps, args.steps = 40, 10
     precision = SHORT_NAMES[args.precision]
     start = time.perf_counter()
-    params, held_out = pretrain(args.pretrain_steps, seed=0)
+    params, held_out = pretrain(
+        args.pretrain_steps,
+        seed=0,
+        width=args.width,
+        layers=args.layers,
+        heads=args.heads,
+    )
     print(f"pretrained: held-out loss {held_out:.3f} nats/byte", file=sys.stderr)
-    run = fine_tune(params, precision, steps=args.steps, seed=args.seed)
-    print(f"{'step':>4} {'reward':>6} {'|dlogp|':>9} {'scale':>7} {'skipped':>7}")
-    for step in range(args.steps):
-        if step % 5 == 0 or step == args.steps - 1:
-            print(
-                f"{step:4d} {run['reward'][step]:6.3f}"
-                f" {run['mismatch'][step]['abs_log_prob_diff']:9.2e}"
-                f" {run['scale'][step]:7g} {run['skipped'][step]:7d}"
-            )
-    print(f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    run = fine_tune(
+        params,
+        precision,
+        steps=args.steps,
+        seed=args.seed,
+        prompts=args.prompts,
+        group=args.group,
+        learning_rate=args.learning_rate,
+        heads=args.heads,
+        print_every=args.print_every,
+    )
+    window = max(1, args.steps // 10)
+    print(
+        f"{precision}: reward {np.mean(run['reward'][:window]):.3f} ->"
+        f" {np.mean(run['reward'][-window:]):.3f} (first and last {window} steps),"
+        f" {run['skipped'][-1]} skipped, final scale {run['scale'][-1]:g}"
+        f" ({time.perf_counter() - start:.0f} s)"
+    )
     return run
 
 
