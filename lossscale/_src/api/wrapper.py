@@ -71,8 +71,9 @@ def wrap(
     bit what `wrap(tx)` followed by `optax.apply_updates` gives. On GPUs and TPUs
     the skip is a select: a skipped step returns the same bits, but the update runs
     and is thrown away (a callback in it fires, a loop over the gradients runs on
-    their infs and NaNs), and `apply_gradients` still gives the bits of `wrap(tx)`
-    and `optax.apply_updates`.
+    their infs and NaNs), and `apply_gradients` compiles to the program of
+    `wrap(tx)` followed by `optax.apply_updates` (the same bits, unless the rest of
+    the two programs makes XLA fuse them otherwise).
 
     Args:
       inner: the optax transformation (an `optax.MultiSteps` counts micro-steps).

@@ -128,11 +128,12 @@ def guarded_step(
         if options.clip_norm is not None:
             grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
         new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
+        updates = _rounded(new.updates, zero)
         if apply_updates:  # the fp8 values are kept by a skipped step too
-            added = _added(params, new.updates, zero)
-            return (new.updates, added), (new.carry, new.fp8)
+            added = optax.apply_updates(params, updates)
+            return (updates, added), (new.carry, new.fp8)
         # The fp8 values as what `optax.apply_updates` adds to the old ones.
-        return (new.updates, fp8.differences(new.fp8, old)), new.carry
+        return (updates, fp8.differences(new.fp8, old)), new.carry
 
     values = unscaling.values_to_check(split.grads, loss_scale, split.params)
     checked = finite.check(
@@ -148,7 +149,9 @@ def guarded_step(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
     kept = (carry, split.old) if apply_updates else carry
-    # -0.0 on an applied step, where the CPU form's cond reads it (`_added`).
+    # -0.0 on an applied step, where the CPU form's cond reads it as a value
+    # XLA cannot see (`_rounded`); the select forms get a constant, which XLA
+    # folds away with its add: they add the updates where `wrap`'s caller does.
     zero = jnp.where(applied, jnp.float32(-0.0), jnp.float32(0.0))
     operands = (split.grads, split.params, kept, norm, zero)
     # Traced once: each backend's form is built from its jaxpr (`split`).
@@ -174,9 +177,8 @@ def guarded_step(
         updates = [(k, None) for k in range(first)]  # the fp8 differences too
 
     def select(*leaves):
-        given = split_step.select(
-            inner, [*inner.consts, *leaves], applied, updates + carried
-        )
+        values = [*inner.consts, *leaves[:-1], jnp.float32(-0.0)]  # the zero
+        given = split_step.select(inner, values, applied, updates + carried)
         if not apply_updates:
             return given
         new = jax.tree.unflatten(
@@ -213,28 +215,26 @@ def guarded_step(
     return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
 
 
-def _added(params: Any, updates: Any, zero: jax.Array) -> Any:
-    """`optax.apply_updates(params, updates)`, with each update rounded first.
+def _rounded(updates: Any, zero: jax.Array) -> Any:
+    """The updates, each rounded on its own wherever it is added to a parameter.
 
-    XLA:CPU fuses an add into the multiply before it as one rounding (an FMA),
-    where `wrap`'s caller adds updates already rounded. Adding `zero`, a -0.0
-    known only at run time, first makes that add the one fused: `x + (-0.0)` is
-    `x`, rounded, and the second add then rounds as the caller's does
+    XLA fuses an add into the multiply before it as one rounding (an FMA), so
+    `p + u` gives other bits where `u` is computed in the add's kernel than where
+    it was written out first. `u + zero`, with `zero` a -0.0 known only at run
+    time, is `u` for every `u`, and it is that add the multiply fuses into: the
+    add of `u` to `p` then rounds alone, wherever it is and whatever XLA fuses
     (design.md, "Where the update crosses the skip").
     """
 
     def rounded(u):
+        if u is None or not jnp.issubdtype(u.dtype, jnp.inexact):
+            return u
         z = zero.astype(jnp.real(u).dtype)
         if jnp.iscomplexobj(u):
             return jax.lax.complex(jnp.real(u) + z, jnp.imag(u) + z)
         return u + z
 
-    return jax.tree.map(
-        lambda p, u: None if p is None else optax.apply_updates(p, rounded(u)),
-        params,
-        updates,
-        is_leaf=lambda x: x is None,
-    )
+    return jax.tree.map(rounded, updates, is_leaf=lambda x: x is None)
 
 
 def _inner(closed: Any) -> Any:
