@@ -849,6 +849,38 @@ def test_preflight_takes_an_nnx_optimizer_for_its_tx_and_its_loss_scale():
     assert "2**8" in str(report), str(report)
 
 
+def test_the_fix_names_the_api_used_when_lossscale_flax_is_not_imported():
+    # The fix was NNX's for a `wrap` step when `lossscale.flax` was not imported.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    code = """
+import sys, jax, jax.numpy as jnp, optax, lossscale
+tx = lossscale.wrap(optax.sgd(0.1))
+def step(state, x):
+    params, opt_state = state
+    grads = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(params)  # not scaled
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+params = jnp.ones(4)
+report = lossscale.preflight_step(step, (params, tx.init(params)), jnp.ones((2, 4)))
+print("lossscale.flax" in sys.modules, report.findings[0].fix)
+"""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("False "), out.stdout
+    assert FIXES["wrap", "unscaled loss"] in " ".join(out.stdout.split()), out.stdout
+
+
 # -- models, arguments, refusals, the table ---------------------------------------
 
 

@@ -104,9 +104,11 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     before = _float_leaves(state)
     (a, _), (b, _) = results
     # At a scale of inf the gradients of a scaled loss are not finite: a step
-    # that applies its update there differentiates the unscaled loss; one that
-    # returns this very state dropped the state its update returned.
-    infinite = _at(current, float("inf"))
+    # that applies its update there differentiates the unscaled loss. With one
+    # skip pending, an applied step resets `consecutive_skips` and a skip adds
+    # one, whatever the kind: a step that returns this very state dropped the
+    # state its update returned.
+    infinite = _at(current, float("inf")).replace(consecutive_skips=1)
     _, skipped_at_inf, returned = _run(step, state, args, infinite, new_state=True)
     unscaled = not skipped_at_inf
     differ: step_findings.Differences = {}

@@ -97,17 +97,15 @@ def _api(state: Any) -> str:
     """Which API holds the loss-scale state (Flax NNX's is "Optimizer")."""
     # Flax's classes exist only once `lossscale.flax` is imported.
     module = sys.modules.get("lossscale._src.api.flax_training")
-    train_state = getattr(module, "TrainState", WrapState)
-    optimizer = getattr(module, "Optimizer", WrapState)
-    nodes = jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, WrapState | train_state | optimizer)
-    )
-    for name, kind in (
-        ("Optimizer", optimizer),  # it holds a `WrapState`: asked first
-        ("wrap", WrapState),
-        ("TrainState", train_state),
-    ):
-        if any(isinstance(x, kind) for x in nodes):
+    kinds = {
+        "Optimizer": getattr(module, "Optimizer", None),  # holds a `WrapState`
+        "wrap": WrapState,
+        "TrainState": getattr(module, "TrainState", None),
+    }
+    known = tuple(kind for kind in kinds.values() if kind is not None)
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, known))
+    for name, kind in kinds.items():
+        if kind is not None and any(isinstance(x, kind) for x in nodes):
             return name
     return "apply_gradients"
 
