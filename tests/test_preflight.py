@@ -836,6 +836,17 @@ def test_an_nnx_optimizer_step_is_checked_on_copies_of_the_model_and_optimizer()
         assert optimizer.loss_scale == loss_scale and int(optimizer.step[...]) == 0
 
 
+def test_an_nnx_optimizer_with_a_static_scale_is_refused_saying_what_to_build():
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = lossscale.flax.Optimizer(
+        model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=1024.0
+    )
+    with pytest.raises(ValueError, match="needs a `DynamicLossScale`.*'dynamic'"):
+        lossscale.preflight_step(lambda s, x: s, (model, optimizer), jnp.ones((1, 2)))
+
+
 def test_preflight_takes_an_nnx_optimizer_for_its_tx_and_its_loss_scale():
     # Issue 50: it was refused as "not an optax transformation".
     model, optimizer, loss_fn, _ = nnx_program()
