@@ -16,6 +16,8 @@ from lossscale._src.api.grad import value_and_grad
 from lossscale._src.api.lookup import get_loss_scale
 from lossscale._src.api.wrapper import WrapState
 from lossscale._src.api.wrapper import wrap
+from lossscale._src.compat.checkpoint_0_3_0 import checkpoint_0_3_0_layout
+from lossscale._src.compat.checkpoint_0_3_0 import from_checkpoint_0_3_0
 from lossscale._src.compat.checkpoints import check_config
 from lossscale._src.compat.checkpoints import checkpoint_0_2_layout
 from lossscale._src.compat.checkpoints import from_checkpoint_0_2
@@ -50,8 +52,10 @@ __all__ = (
     "apply_gradients",
     "check_config",
     "checkpoint_0_2_layout",
+    "checkpoint_0_3_0_layout",
     "field",
     "from_checkpoint_0_2",
+    "from_checkpoint_0_3_0",
     "get_loss_scale",
     "grad_stats",
     "leaf_path",

@@ -250,10 +250,13 @@ class ReferenceDynamicRule:
         self.consecutive_skips = 0
         self.forward_overflows = 0
         self.stuck = False
+        self.overflow_scale = np.float32(0.0)  # the latest skip's scale
 
     def step(self, finite: bool, loss_finite: bool = True) -> bool:
         """Advances one step; returns whether the update is applied."""
         self.stuck = False
+        if not (finite and loss_finite):
+            self.overflow_scale = self.scale  # before the rule moves it
         if not loss_finite:
             # A forward overflow: skipped and counted, the scale rule untouched.
             self.skipped_steps += 1

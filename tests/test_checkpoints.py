@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import lossscale
+import lossscale.flax
 
 STATES = [
     lossscale.NoOpLossScale(),
@@ -274,3 +275,141 @@ def test_other_mix_ups_of_from_checkpoint_0_2_say_what_to_pass():
         lossscale.from_checkpoint_0_2(restored, DYNAMIC_CONFIG)
     with pytest.raises(TypeError, match="`batch_shape` must be a tuple of ints"):
         lossscale.checkpoint_0_2_layout(DYNAMIC_CONFIG, batch_shape=8)
+
+
+# -- a lossscale 0.3.0 checkpoint (`data/checkpoint_0_3_0`, written by 0.3.0 with
+# `data/make_checkpoint_0_3_0.py`): the states had no `overflow_scale` then.
+
+with open(os.path.join(DATA, "checkpoint_0_3_0_expected.json")) as f:
+    EXPECTED_0_3_0 = json.load(f)
+
+
+def targets_0_3_0():
+    """Fresh trees of the structures the 0.3.0 checkpoint holds, as built today."""
+    from flax import nnx
+
+    dynamic = lossscale.DynamicLossScale(scale=2.0**10, growth_interval=3, hysteresis=2)
+    params = {"w": jnp.zeros((2, 3))}
+    state = {
+        "params": params,
+        "opt_state": lossscale.wrap(optax.adam(1e-2), dynamic).init(params),
+        "static": lossscale.StaticLossScale(256),
+        "train_state": lossscale.flax.TrainState.create(
+            apply_fn=None,
+            params={"w": jnp.zeros(3)},
+            tx=optax.sgd(0.1),
+            loss_scale=dynamic,
+        ),
+    }
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(1))
+    optimizer = lossscale.flax.Optimizer(
+        model, optax.adam(1e-2), wrt=nnx.Param, loss_scale=dynamic
+    )
+    return state, optimizer
+
+
+def assert_as_0_3_0_saved(states):
+    for name, state in states.items():
+        for field, value in EXPECTED_0_3_0[name].items():
+            got = getattr(state, field)
+            assert np.asarray(got).tolist() == value, (name, field, got, value)
+            assert got.dtype == type(state)._specs[field].dtype, (name, field)
+        # Not in the checkpoint: the default, "no skip recorded".
+        assert float(state.overflow_scale) == 0.0, name
+
+
+def test_a_0_3_0_checkpoint_restores_every_field_through_its_layout(tmp_path):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_3_0"), directory)
+    target, _ = targets_0_3_0()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    with ocp.CheckpointManager(directory) as manager:
+        # Today's target alone is refused: the checkpoint lacks `overflow_scale`.
+        with pytest.raises(ValueError, match="overflow_scale"):
+            manager.restore(
+                7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )
+        layout = lossscale.checkpoint_0_3_0_layout(abstract)
+        restored = manager.restore(
+            7, args=ocp.args.Composite(state=ocp.args.StandardRestore(layout))
+        ).state
+        config = manager.restore(
+            7, args=ocp.args.Composite(dynamic_config=ocp.args.JsonRestore())
+        ).dynamic_config
+    restored = lossscale.from_checkpoint_0_3_0(restored, abstract)
+    assert jax.tree.structure(restored) == jax.tree.structure(target)
+    lossscale.check_config(config, restored["opt_state"])
+    assert_as_0_3_0_saved(
+        {
+            "dynamic": restored["opt_state"].loss_scale,
+            "static": restored["static"],
+            "train_state": restored["train_state"].loss_scale,
+        }
+    )
+    np.testing.assert_array_equal(restored["params"]["w"], EXPECTED_0_3_0["params"])
+    assert int(restored["train_state"].step) == 2  # 3 steps, 1 skipped
+    # And it trains on: a skip now records its scale.
+    tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale())
+    params = restored["params"]
+    _, opt_state = jax.jit(tx.update)(
+        {"w": jnp.full((2, 3), jnp.inf)}, restored["opt_state"], params
+    )
+    assert float(opt_state.loss_scale.overflow_scale) == 512.0
+    assert int(opt_state.loss_scale.skipped_steps) == 3
+
+
+def test_a_0_3_0_nnx_optimizer_checkpoint_restores_through_its_layout(tmp_path):
+    from flax import nnx
+
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_3_0"), directory)
+    _, optimizer = targets_0_3_0()
+    layout = lossscale.checkpoint_0_3_0_layout(nnx.state(optimizer))
+    assert "overflow_scale" not in layout["opt_state"]["loss_scale"]
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, layout)
+    with ocp.CheckpointManager(directory) as manager:
+        restored = manager.restore(
+            7, args=ocp.args.Composite(nnx=ocp.args.StandardRestore(abstract))
+        ).nnx
+    nnx.update(optimizer, restored)
+    assert_as_0_3_0_saved({"nnx": optimizer.loss_scale})
+    assert int(optimizer.step[...]) == 2
+
+
+def test_a_0_3_0_flax_serialization_state_dict_restores_as_it_is():
+    from flax import serialization
+
+    target, _ = targets_0_3_0()
+    with open(os.path.join(DATA, "checkpoint_0_3_0.msgpack"), "rb") as f:
+        restored = serialization.from_bytes(target, f.read())
+    assert_as_0_3_0_saved(
+        {
+            "dynamic": restored["opt_state"].loss_scale,
+            "static": restored["static"],
+            "train_state": restored["train_state"].loss_scale,
+        }
+    )
+    np.testing.assert_array_equal(restored["params"]["w"], EXPECTED_0_3_0["params"])
+
+
+def test_a_stacked_0_3_0_state_restores_stacked():
+    target = lossscale.DynamicLossScale()
+    saved = {
+        n: jnp.stack([getattr(target, n)] * 3)
+        for n in lossscale.checkpoint_0_3_0_layout({"s": target})["s"]
+    }
+    state = lossscale.from_checkpoint_0_3_0({"s": saved}, {"s": target})["s"]
+    for name, leaf in zip(type(state)._leaves, jax.tree.leaves(state), strict=True):
+        assert leaf.shape == (3,), (name, leaf.shape)
+
+
+def test_mix_ups_of_the_0_3_0_restore_say_what_to_pass():
+    target = {"w": jnp.zeros(2), "s": lossscale.DynamicLossScale()}
+    with pytest.raises(ValueError, match="holds no loss-scale state"):
+        lossscale.checkpoint_0_3_0_layout({"w": jnp.zeros(2)})
+    with pytest.raises(TypeError, match=r"`restored\['s'\]` is a `DynamicLossScale`"):
+        lossscale.from_checkpoint_0_3_0(target, target)
+    layout = lossscale.checkpoint_0_3_0_layout(target)
+    del layout["s"]["counter"]
+    with pytest.raises(ValueError, match=r"`restored\['s'\]` must hold the fields"):
+        lossscale.from_checkpoint_0_3_0(layout, target)

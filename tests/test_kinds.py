@@ -46,6 +46,7 @@ def assert_matches_reference(state, reference):
     assert int(state.consecutive_skips) == reference.consecutive_skips
     assert int(state.forward_overflows) == reference.forward_overflows
     assert bool(state.stuck) == reference.stuck
+    assert np.float32(state.overflow_scale) == reference.overflow_scale
 
 
 class DynamicRuleMachine(RuleBasedStateMachine):
@@ -263,6 +264,7 @@ def test_leaves_are_named_scalars_of_explicit_dtypes(state):
         "forward_overflows": jnp.int32,
         "stuck": jnp.bool_,
         "overflow_leaf": jnp.int32,
+        "overflow_scale": jnp.float32,
     }
     if isinstance(state, lossscale.DynamicLossScale):
         expected = {

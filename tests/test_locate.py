@@ -462,3 +462,97 @@ def test_frames_anywhere_in_lossscale_are_skipped_when_naming_the_line():
     skipped = interpret._library_dirs(())
     for module in (functional, finite, kinds, interpret):
         assert module.__file__.startswith(skipped), (module.__file__, skipped)
+
+
+# -- after a skip: the scale the skipped step ran at (issue 50) -------------------
+
+# `y * b` in float16: at 2**15 the gradient for `b`, 3 * 2**15, overflows; at the
+# 2**14 a dynamic scale backs off to, it is finite.
+Y_OVERFLOWS_AT_2_15 = jnp.full(3, 3.0)
+
+
+class Thirds(lossscale.LossScale, kind="test_locate.thirds"):
+    """A kind of one's own: the scale divides by 3 on an overflow."""
+
+    scale: jax.Array = lossscale.field(dtype=jnp.float32, default=2.0**15)
+
+    def rule(self, grads_finite):
+        return self.replace(scale=jnp.where(grads_finite, self.scale, self.scale / 3))
+
+
+def skipped_with_wrap(loss_scale):
+    """The optimizer state of `wrap` after a jitted step that skipped."""
+    import optax
+
+    tx = lossscale.wrap(optax.sgd(0.1), loss_scale)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = lossscale.value_and_grad(two_leaf_loss)(opt_state, params, x, y)
+        _, opt_state = tx.update(grads, opt_state, params, value=loss)
+        return opt_state
+
+    return step(PARAMS, tx.init(PARAMS), X_FINE, Y_OVERFLOWS_AT_2_15)
+
+
+@pytest.mark.parametrize(
+    "after_skip, now",
+    [
+        (lambda: skipped_with_wrap(lossscale.DynamicLossScale()), 2.0**14),
+        (lambda: skipped_with_wrap(Thirds()), 2.0**15 / 3),
+        (lambda: lossscale.update(lossscale.DynamicLossScale(), False), 2.0**14),
+    ],
+    ids=["wrap, dynamic", "wrap, a kind of ones own", "update, dynamic"],
+)
+def test_the_state_after_a_skip_is_checked_at_the_scale_the_skip_ran_at(
+    after_skip, now
+):
+    # Issue 50: the diagnostics recipe passed the state after the skip, which had
+    # backed off, and the batch that overflowed at 2**15 read "No overflow at loss
+    # scale 16384".
+    state = after_skip()
+    assert float(lossscale.get_loss_scale(state).scale) == np.float32(now)
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, Y_OVERFLOWS_AT_2_15, loss_scale=state
+    )
+    assert (report.kind, report.leaves, report.scale) == ("backward", ("['b']",), 2**15)
+    assert report.state_scale == np.float32(now)
+    text = str(report)
+    assert text.startswith("Backward overflow at loss scale 32768, the scale"), text
+    assert f"backed off to {np.float32(now):g} since" in text, text
+
+
+def test_no_overflow_after_a_skip_names_the_scale_checked_and_the_back_off():
+    state = skipped_with_wrap(lossscale.DynamicLossScale())
+    y = jnp.ones(3)  # the gradient for `b` is 2**15, finite
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, y, loss_scale=state
+    )
+    assert report.kind is None and report.scale == 2**15
+    assert str(report).startswith(
+        "No overflow at loss scale 32768, the scale the state's latest step ran at"
+        " (it was skipped, and the state has backed off to 16384 since): the loss"
+    ), str(report)
+    assert "another batch" in str(report)
+
+
+def test_a_skip_that_did_not_back_off_is_checked_at_the_same_scale():
+    # With hysteresis 2 the first overflow keeps the scale.
+    state = skipped_with_wrap(lossscale.DynamicLossScale(hysteresis=2))
+    assert float(lossscale.get_loss_scale(state).scale) == 2**15
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, Y_OVERFLOWS_AT_2_15, loss_scale=state
+    )
+    assert (report.kind, report.scale, report.state_scale) == ("backward", 2**15, None)
+    assert "backed off" not in str(report)
+
+
+def test_after_an_applied_step_the_state_is_checked_at_its_own_scale():
+    state = lossscale.update(lossscale.DynamicLossScale(), False)
+    state = lossscale.update(state, True)  # applied: the skip is history
+    assert float(state.overflow_scale) == 2**15 and int(state.consecutive_skips) == 0
+    report = lossscale.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, Y_OVERFLOWS_AT_2_15, loss_scale=state
+    )
+    assert (report.kind, report.scale, report.state_scale) == (None, 2**14, None)
+    assert str(report).startswith("No overflow at loss scale 16384: the loss")

@@ -689,6 +689,209 @@ def test_preflight_step_runs_a_step_that_donates_its_state_on_copies(api):
         assert helpers.tree_equal(jax.tree.map(np.array, state), before)
 
 
+def dropping_steps():
+    """The guide's small program, stepped through each API, keeping the old loss
+    scale: what each returns is the loss-scale state it was given (issue 50)."""
+    params, sgd = jnp.full((4, 1), 0.5), optax.sgd(0.1)
+
+    def loss_fn(w, x):
+        return jnp.mean((x.astype(F16) @ w.astype(F16)) ** 2)
+
+    tx = lossscale.wrap(sgd)
+
+    def wrap_step(state, x):
+        params, opt_state = state
+        loss, grads = lossscale.value_and_grad(loss_fn)(opt_state, params, x)
+        updates, _ = tx.update(grads, opt_state, params, value=loss)  # dropped
+        return optax.apply_updates(params, updates), opt_state
+
+    def functional_step(state, x):
+        params, opt_state, loss_scale = state
+        loss, grads = lossscale.value_and_grad(loss_fn)(loss_scale, params, x)
+        params, opt_state, _ = lossscale.apply_gradients(  # `_`: dropped
+            sgd, grads=grads, params=params, opt_state=opt_state,
+            loss_scale=loss_scale, value=loss,
+        )  # fmt: skip
+        return params, opt_state, loss_scale
+
+    def train_state_step(state, x):
+        loss, grads = lossscale.value_and_grad(loss_fn)(state, state.params, x)
+        new = state.apply_gradients(grads=grads, value=loss)
+        return new.replace(loss_scale=state.loss_scale)  # the old one
+
+    return {
+        "wrap": (wrap_step, (params, tx.init(params)), "[1].loss_scale"),
+        "apply_gradients": (
+            functional_step,
+            (params, sgd.init(params), lossscale.StaticLossScale(2.0**10)),
+            "[2]",
+        ),
+        "TrainState": (
+            train_state_step,
+            lossscale.flax.TrainState.create(apply_fn=None, params=params, tx=sgd),
+            ".loss_scale",
+        ),
+    }
+
+
+DROPPING_FIXES = {
+    "wrap": "updates, opt_state = tx.update(grads, opt_state, params)",
+    "apply_gradients": "params, opt_state, loss_scale = lossscale.apply_gradients(",
+    "TrainState": "Return the state that `state.apply_gradients(grads=grads)`",
+}
+
+
+@pytest.mark.parametrize("api", ["wrap", "apply_gradients", "TrainState"])
+def test_preflight_step_finds_a_step_that_drops_the_loss_scale_it_was_returned(api):
+    # Issue 50: such a step trains, never counts a skip, never backs off, and
+    # `preflight_step` called it clean (its update does not depend on the scale).
+    step, state, where = dropping_steps()[api]
+    # The reference: one overflow injected, the state it returns has not counted it.
+    inf_state = jax.tree.map(
+        lambda x: (
+            lossscale.DynamicLossScale().replace(scale=float("inf"))
+            if isinstance(x, lossscale.LossScale)
+            else x
+        ),
+        state,
+        is_leaf=lambda x: isinstance(x, lossscale.LossScale),
+    )
+    assert int(lossscale.get_loss_scale(step(inf_state, X)).skipped_steps) == 0
+    report = lossscale.preflight_step(jax.jit(step), state, X)
+    (finding,) = report.findings
+    assert (finding.code, finding.severity, finding.where) == (
+        "loss-scale-not-returned",
+        "error",
+        where,
+    ), str(report)
+    assert "returns the loss-scale state it was given" in finding.message
+    assert DROPPING_FIXES[api] in finding.fix, finding.fix
+    assert [k for k, text in DROPPING_FIXES.items() if text in finding.fix] == [api]
+
+
+def test_a_step_that_drops_the_loss_scale_and_depends_on_it_says_both():
+    step, state, _ = dropping_steps()["wrap"]
+    params, opt_state = state
+
+    def unscaled_and_dropped(state, x):
+        params, opt_state = state
+        grads = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(params)  # not scaled
+        updates, _ = lossscale.wrap(optax.sgd(0.1)).update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    report = lossscale.preflight_step(unscaled_and_dropped, state, X)
+    (finding,) = report.findings
+    assert finding.code == "loss-scale-not-returned", str(report)
+    assert "also changes with the loss scale ([0] (differs by" in finding.message
+
+
+def nnx_program(scaled=True):
+    """The NNX guide's program: a float16 `nnx.Linear`, its optimizer and step."""
+    from flax import nnx
+
+    model = nnx.Linear(8, 1, dtype=F16, param_dtype=F32, rngs=nnx.Rngs(0))
+    optimizer = lossscale.flax.Optimizer(
+        model,
+        optax.sgd(0.1),
+        wrt=nnx.Param,
+        loss_scale=lossscale.DynamicLossScale(scale=2.0**8),
+    )
+
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x).astype(F32) - y) ** 2)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        def scaled_loss(model):
+            loss = loss_fn(model, x, y)
+            return (lossscale.scale_loss(loss, optimizer) if scaled else loss), loss
+
+        (_, loss), grads = nnx.value_and_grad(scaled_loss, has_aux=True)(model)
+        optimizer.update(model, grads, value=loss)
+        return loss
+
+    def step(state, x, y):
+        model, optimizer = state
+        train_step(model, optimizer, x, y)
+        return model, optimizer
+
+    return model, optimizer, loss_fn, step
+
+
+def test_an_nnx_optimizer_step_is_checked_on_copies_of_the_model_and_optimizer():
+    x, y = jnp.ones((16, 8)), jnp.ones((16, 1))
+    for scaled in (True, False):
+        model, optimizer, _, step = nnx_program(scaled)
+        kernel, loss_scale = np.array(model.kernel[...]), optimizer.loss_scale
+        report = lossscale.preflight_step(step, (model, optimizer), x, y)
+        if scaled:
+            assert report.codes == set(), str(report)
+        else:
+            (finding,) = report.findings
+            assert finding.code == "scale-dependent-step", str(report)
+            assert "2x at the lower scale" in finding.message, finding.message
+            assert "`return lossscale.scale_loss(loss, optimizer), loss`" in finding.fix
+        # The caller's model and optimizer are as they were.
+        np.testing.assert_array_equal(model.kernel[...], kernel)
+        assert optimizer.loss_scale == loss_scale and int(optimizer.step[...]) == 0
+
+
+def test_an_nnx_optimizer_with_a_static_scale_is_refused_saying_what_to_build():
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = lossscale.flax.Optimizer(
+        model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=1024.0
+    )
+    with pytest.raises(ValueError, match="needs a `DynamicLossScale`.*'dynamic'"):
+        lossscale.preflight_step(lambda s, x: s, (model, optimizer), jnp.ones((1, 2)))
+
+
+def test_preflight_takes_an_nnx_optimizer_for_its_tx_and_its_loss_scale():
+    # Issue 50: it was refused as "not an optax transformation".
+    model, optimizer, loss_fn, _ = nnx_program()
+    x, y = jnp.ones((16, 8)), jnp.ones((16, 1))
+    report = lossscale.preflight(loss_fn, model, x, y, optimizer=optimizer)
+    # The reference: its transformation, at its loss scale.
+    expected = lossscale.preflight(
+        loss_fn, model, x, y, optimizer=optimizer.tx, loss_scale=optimizer.loss_scale
+    )
+    assert report == expected, f"{report}\n{expected}"
+    assert "2**8" in str(report), str(report)
+
+
+def test_the_fix_names_the_api_used_when_lossscale_flax_is_not_imported():
+    # The fix was NNX's for a `wrap` step when `lossscale.flax` was not imported.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    code = """
+import sys, jax, jax.numpy as jnp, optax, lossscale
+tx = lossscale.wrap(optax.sgd(0.1))
+def step(state, x):
+    params, opt_state = state
+    grads = jax.grad(lambda w: jnp.sum((x @ w) ** 2))(params)  # not scaled
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+params = jnp.ones(4)
+report = lossscale.preflight_step(step, (params, tx.init(params)), jnp.ones((2, 4)))
+print("lossscale.flax" in sys.modules, report.findings[0].fix)
+"""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("False "), out.stdout
+    assert FIXES["wrap", "unscaled loss"] in " ".join(out.stdout.split()), out.stdout
+
+
 # -- models, arguments, refusals, the table ---------------------------------------
 
 

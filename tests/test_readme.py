@@ -75,3 +75,36 @@ def test_which_entry_point_is_said_once_in_the_same_words_everywhere():
     assert len(set(found.values())) == 1, found
     for name in ("value_and_grad", "apply_gradients", "wrap(tx)", "TrainState"):
         assert name in found["README.md"], name
+
+
+def test_what_the_readme_says_the_demo_test_runs_is_what_it_runs():
+    # Issue 50: the README said the suite runs the demo "as above (2000 steps)"
+    # after the test had moved to 1000.
+    import ast
+
+    text = " ".join(README.read_text().split())
+    said = re.search(
+        r"The test suite runs the demo at seed (\d+) for (\d+) steps, (\w+) of the"
+        r" above",
+        text,
+    )
+    assert said, "README.md lost its sentence on what the demo test runs"
+    seed, steps, share = int(said.group(1)), int(said.group(2)), said.group(3)
+    source = (README.parent / "tests" / "test_demo.py").read_text()
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+    }
+    assert steps == constants["STEPS"], (steps, constants["STEPS"])
+    # The test passes `--steps` and no `--seed`: the demo's default seed.
+    assert '"--steps", str(STEPS)' in source and "--seed" not in source
+    demo = (README.parent / "lossscale" / "demo.py").read_text()
+    defaults = dict(
+        re.findall(r'add_argument\("--(\w+)", type=int, default=(\d+)\)', demo)
+    )
+    assert seed == int(defaults["seed"]), (seed, defaults)
+    # "as above": the README's run is the demo's default step count.
+    above = re.search(r"One run here \((\d+) steps, seed (\d+)", text)
+    assert above and int(above.group(1)) == int(defaults["steps"]), above
+    assert {"half": 2}[share] * steps == int(defaults["steps"]), (share, steps)

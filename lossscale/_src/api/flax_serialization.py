@@ -7,13 +7,16 @@ kind's fields by name; the settings come from the target. Imported by
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from flax import serialization
 
 from lossscale._src.state import kind
 from lossscale._src.state import kind_fields
+from lossscale._src.state.kind import ADDED_AFTER_0_3_0
 from lossscale._src.state.kind import LossScale
 
 
@@ -27,6 +30,16 @@ def _to_state_dict(state: LossScale) -> dict[str, Any]:
 def _from_state_dict(target: LossScale, state: dict[str, Any], name: str = ".") -> Any:
     cls = type(target)
     names = kind_fields.leaf_names(cls)
+    if isinstance(state, dict) and set(state) | set(ADDED_AFTER_0_3_0) == set(names):
+        # A state dict that lossscale 0.3.0 wrote: the counters added since
+        # take their defaults (those of a fresh state, in the target's shape).
+        fresh = {f.name: f.default for f in dataclasses.fields(LossScale)}
+        specs = kind_fields.specs(cls)
+        shapes = {n: np.shape(getattr(target, n)) for n in ADDED_AFTER_0_3_0}
+        state = {
+            n: state[n] if n in state else np.full(shapes[n], fresh[n], specs[n].dtype)
+            for n in names
+        }
     if not isinstance(state, dict) or set(state) != set(names):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(

@@ -22,6 +22,7 @@ from lossscale._src import deprecation
 from lossscale._src.api import lookup
 from lossscale._src.state import kind_fields
 from lossscale._src.state import kind_validation
+from lossscale._src.state.kind import ADDED_AFTER_0_3_0
 from lossscale._src.state.kind import COUNTERS
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kind import known_kinds
@@ -189,7 +190,7 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
             values[field] = value.reshape(packed.shape[:-1] + shape)
             offset += size
     specs = kind_fields.specs(type(state))
-    for name in NEW_IN_0_3:  # not in a 0.2 checkpoint: its default, stacked alike
+    for name in NOT_IN_0_2:  # not in a 0.2 checkpoint: its default, stacked alike
         default = jnp.asarray(getattr(state, name))
         values[name] = jnp.broadcast_to(default, (batch or ()) + default.shape)
     names = kind_fields.leaf_names(type(state))
@@ -255,12 +256,12 @@ def _kind(config: dict[str, Any]) -> type[LossScale]:
 
 
 # The library's fields that 0.2's states did not have.
-NEW_IN_0_3 = ("overflow_leaf",)
+NOT_IN_0_2 = ("overflow_leaf", *ADDED_AFTER_0_3_0)
 
 
 def _layout(kind: type[LossScale]) -> dict[str, tuple[np.dtype, list]]:
     """0.2's leaves: name -> (dtype, [(field, size), ...]), as 0.2 packed them."""
-    order = [n for n in COUNTERS if n not in NEW_IN_0_3]
+    order = [n for n in COUNTERS if n not in NOT_IN_0_2]
     order += [n for n in kind_fields.leaf_names(kind) if n not in COUNTERS]
     layout: dict[str, tuple[Any, list]] = {}
     for name in order:

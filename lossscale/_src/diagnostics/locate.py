@@ -42,6 +42,9 @@ class OverflowReport:
       nonfinite_input: when the inf or NaN was in the input itself, before any
         op, which input: `loss_fn`'s argument name and path (e.g.
         `"x"`, `"batch['image']"`, `"params['w']"`); else None.
+      state_scale: when `loss_scale` was a state whose latest step was skipped
+        and whose scale has moved since (a dynamic scale backs off), the scale
+        it holds now; `scale` is then the one the skipped step ran at. Else None.
 
     Examples:
       >>> import jax.numpy as jnp, lossscale
@@ -60,17 +63,23 @@ class OverflowReport:
     scale: float
     loss: float
     nonfinite_input: str | None = None
+    state_scale: float | None = None
 
     def __str__(self) -> str:
+        at = self._at()
         if self.kind is None:
+            finite = f"No overflow at {at}: the loss ({self.loss:g}) and every gradient"
+            if self.state_scale is None:
+                return f"{finite} are finite."
             return (
-                f"No overflow at loss scale {self.scale:g}: the loss ({self.loss:g})"
-                " and every gradient are finite."
+                f"{finite} are finite. That step overflowed on another batch, or"
+                " (under `axis_name`) in another device's part of it: rerun the"
+                " batch it was given."
             )
         if self.nonfinite_input is not None:
             return (
                 f"The input is not finite: `{self.nonfinite_input}` holds an inf or a"
-                f" NaN before any op runs (loss scale {self.scale:g}, loss"
+                f" NaN before any op runs ({at}, loss"
                 f" {self.loss:g}).{self._grads()} No loss scale or float32 cast"
                 " fixes that: clean the data (or the parameters) it comes from, or"
                 " skip such batches; with `value=loss` the step skips them without"
@@ -89,17 +98,27 @@ class OverflowReport:
         grads = self._grads()
         if self.kind == "forward":
             return (
-                f"Forward overflow at loss scale {self.scale:g}: the loss is"
+                f"Forward overflow at {at}: the loss is"
                 f" {self.loss:g}.{where}{grads} No loss scale fixes a forward"
                 " overflow: compute that op in float32 (cast its input with"
                 " `.astype(jnp.float32)`), or keep its input within float16's range"
                 " (e.g. subtract the max before `exp`, as `jax.nn.softmax` does)."
             )
         return (
-            f"Backward overflow at loss scale {self.scale:g}: the loss"
+            f"Backward overflow at {at}: the loss"
             f" ({self.loss:g}) is finite.{grads}{where} A lower scale avoids it"
             " (a dynamic scale backs off by itself); if it overflows at low scales"
             " too, compute that op in float32."
+        )
+
+    def _at(self) -> str:
+        """The scale checked, and after a skip where the state has moved since."""
+        if self.state_scale is None:
+            return f"loss scale {self.scale:g}"
+        moved = "backed off" if self.state_scale < self.scale else "moved"
+        return (
+            f"loss scale {self.scale:g}, the scale the state's latest step ran at (it"
+            f" was skipped, and the state has {moved} to {self.state_scale:g} since)"
         )
 
     def _grads(self) -> str:
@@ -128,7 +147,9 @@ def locate_overflow(
       params: what the step differentiates: parameters, an NNX or Equinox model.
       *args: `loss_fn`'s further arguments (the batch).
       loss_scale: the scale to evaluate at: a loss-scale state, a tree holding
-        one (the optimizer state), or a positive number.
+        one (the optimizer state), or a positive number. A state whose latest
+        step was skipped is evaluated at the scale that step ran at (its
+        `overflow_scale`), not at the one it has backed off to since.
       has_aux: whether `loss_fn` returns `(loss, aux)`.
       **kwargs: `loss_fn`'s keyword arguments.
 
@@ -166,7 +187,7 @@ def locate_overflow(
         loss_fn, params, args, kwargs, has_aux,
         "locate_overflow(loss_fn, params, x, y, loss_scale=...)",
     )  # fmt: skip
-    state = _state(loss_scale)
+    state, state_scale = _state(loss_scale)
 
     def scaled(diff, batch):
         loss, _ = problem.loss(diff, batch)
@@ -204,11 +225,28 @@ def locate_overflow(
         nonfinite_input=(
             problem.input_names()[source] if isinstance(source, int) else None
         ),
+        state_scale=state_scale,
     )
 
 
-def _state(loss_scale: Any) -> Any:
+def _state(loss_scale: Any) -> tuple[Any, float | None]:
+    """The state to evaluate at; and, after a skip, the scale the given one has now.
+
+    The batch a skipped step was given overflowed at the scale that step ran at.
+    The state it returned may have backed off since (a dynamic scale does), and
+    at that lower scale the batch can be finite: so a state whose latest step
+    was skipped is evaluated at the scale it records for that step.
+    """
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
     if checks.is_number(found):
-        return kinds.StaticLossScale(found)  # type: ignore[call-arg]  # its dataclass init
-    return found
+        return kinds.StaticLossScale(found), None  # type: ignore[call-arg]  # its dataclass init
+    skips, ran_at, now = (
+        np.asarray(x)
+        for x in (found.consecutive_skips, found.overflow_scale, found.scale)
+    )
+    # 0: a state restored from a 0.3.0 checkpoint, which did not record it.
+    if skips.ndim or not (skips > 0 and np.isfinite(ran_at) and ran_at > 0):
+        return found, None
+    if ran_at == now:
+        return found, None
+    return kinds.StaticLossScale(float(ran_at)), float(now)  # type: ignore[call-arg]

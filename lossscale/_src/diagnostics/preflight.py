@@ -8,6 +8,7 @@ shows each code on a program that has it.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from lossscale._src.api import lookup
 from lossscale._src.diagnostics import forward_hazards
 from lossscale._src.diagnostics import gradient_hazards
 from lossscale._src.diagnostics import optimizer_hazards
+from lossscale._src.diagnostics import step_check
 from lossscale._src.diagnostics.findings import PreflightReport
 from lossscale._src.diagnostics.findings import ordered
 from lossscale._src.diagnostics.probe import Probe
@@ -51,7 +53,9 @@ def preflight(
       loss_fn: returns a floating-point scalar, or `(loss, aux)` with `has_aux`.
       params: what the step differentiates.
       *args: the rest of `loss_fn`'s arguments: one real batch.
-      optimizer: the optax transformation (wrapped or not), for its checks.
+      optimizer: the optax transformation (wrapped or not), for its checks; or
+        a `lossscale.flax.Optimizer` (NNX) or `TrainState`, for its `tx` and
+        its loss-scale state.
       loss_scale: the starting loss scale: a state, a tree holding one, a
         number or "dynamic"; None: the `optimizer`'s, else `DynamicLossScale()`.
       has_aux: whether `loss_fn` returns `(loss, aux)`.
@@ -76,6 +80,11 @@ def preflight(
         loss_fn, params, args, {}, has_aux, "preflight(loss_fn, params, x, y)"
     )
     _refuse_traced(params, args, loss_scale)
+    if _holds_a_transformation(optimizer):
+        # An NNX optimizer or a train state: its `tx`, from its own loss scale.
+        if loss_scale is None and lookup.find_all(optimizer):
+            loss_scale = step_check.values(lookup.find(optimizer, "optimizer"))
+        optimizer = typing.cast(Any, optimizer).tx
     if optimizer is not None:
         checks.validate_transformation(optimizer, "optimizer")
     start = _start(loss_scale, optimizer, problem)
@@ -99,6 +108,15 @@ def preflight(
         else:
             findings += optimizer_hazards.check(problem, optimizer, gradients.reference)
     return PreflightReport(ordered(findings), scale, tuple(notes))
+
+
+def _holds_a_transformation(optimizer: Any) -> bool:
+    """Whether `optimizer` is an `nnx.Optimizer` or a train state, with a `tx`."""
+    return (
+        not isinstance(optimizer, optax.GradientTransformation)
+        and isinstance(getattr(optimizer, "tx", None), optax.GradientTransformation)
+        and hasattr(optimizer, "opt_state")
+    )
 
 
 def _start(loss_scale: Any, optimizer: Any, problem: Program) -> LossScale:

@@ -7,6 +7,12 @@ step applies the same update at both, bit for bit but for values at the bottom
 of float16's range. A step that differentiates the unscaled loss and lets
 `wrap` unscale it, or that clips before `wrap`, updates by `g / s`: half as
 much at twice the scale, which Adam's normalisation hides and SGD does not.
+
+And a step must return the loss-scale state its update returned. One that
+returns the state it was given trains on silently: no skip is counted, the
+scale never moves. At a scale of inf the step must skip (the gradients of a
+scaled loss are not finite there) or, with an unscaled loss, apply: either way
+the state it returns differs from the one it was given.
 """
 
 from __future__ import annotations
@@ -20,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src.api import lookup
-from lossscale._src.api.wrapper import WrapState
-from lossscale._src.diagnostics.findings import Finding
+from lossscale._src.diagnostics import step_findings
 from lossscale._src.diagnostics.findings import PreflightReport
 from lossscale._src.diagnostics.findings import power
 from lossscale._src.state import kind_fields
@@ -45,7 +50,10 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     apart (the state's scale and half of it, lower if the step skips there),
     copying `state` first for each. A correctly scaled step applies the same
     update at both; one that is not gets `scale-dependent-step`, naming the
-    leaves whose updates differ. Run it once, on one batch, before training.
+    leaves whose updates differ. Once more at a scale of inf, where the step
+    must skip: one that returns the loss-scale state it was given, not the one
+    its update returned, gets `loss-scale-not-returned`. Run it once, on one
+    batch, before training.
 
     Args:
       step: the train step, jitted or not: takes `state` (a tree holding one
@@ -78,7 +86,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     """
     if not callable(step):
         raise TypeError(f"`step` must be callable, got {type(step).__name__}.")
-    current = lookup.find(state, "state")
+    current = values(lookup.find(state, "state"))
     high = _settable(current)
     for _ in range(_TRIES):
         low = high / 2
@@ -95,82 +103,39 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
         )
     before = _float_leaves(state)
     (a, _), (b, _) = results
-    differ = {}
+    # At a scale of inf the gradients of a scaled loss are not finite: a step
+    # that applies its update there differentiates the unscaled loss. With one
+    # skip pending, an applied step resets `consecutive_skips` and a skip adds
+    # one, whatever the kind: a step that returns this very state dropped the
+    # state its update returned.
+    infinite = _at(current, float("inf")).replace(consecutive_skips=1)
+    _, skipped_at_inf, returned = _run(step, state, args, infinite, new_state=True)
+    unscaled = not skipped_at_inf
+    differ: step_findings.Differences = {}
     for path, old in before.items():
         change_a = np.asarray(a[path], np.float64) - np.asarray(old, np.float64)
         change_b = np.asarray(b[path], np.float64) - np.asarray(old, np.float64)
         size = max(np.linalg.norm(change_a), np.linalg.norm(change_b))
         gap = np.linalg.norm(change_a - change_b)
         if not np.isfinite(gap) or gap > TOLERANCE * size:
-            differ[path] = (gap / size if size else np.inf, _ratio(change_a, change_b))
+            differ[path] = (
+                float(gap / size) if size else np.inf,
+                _ratio(change_a, change_b),
+            )
     notes = (
         f"Step run at scales {power(low)} and {power(high)}; {len(before)}"
-        " floating-point leaves compared.",
+        " floating-point leaves compared. Run at a scale of inf: it"
+        + (" skipped." if skipped_at_inf else " applied its update."),
     )
+    if returned == infinite:
+        finding = step_findings.not_returned(state, differ)
+        return PreflightReport((finding,), None, notes)
     if not differ:
         return PreflightReport((), None, notes)
-    listed = "; ".join(
-        f"{path} (differs by {gap:.0%}"
-        + (f", {ratio:.3g}x at the lower scale)" if ratio else ")")
-        for path, (gap, ratio) in list(differ.items())[:3]
-    )
-    more = f"; and {len(differ) - 3} more leaves" if len(differ) > 3 else ""
-    # At a scale of inf the gradients of a scaled loss are not finite: a step
-    # that applies its update there differentiates the unscaled loss.
-    infinite = kinds.DynamicLossScale().replace(scale=float("inf"))
-    unscaled = not _run(step, state, args, infinite)[1]
-    finding = Finding(
-        code="scale-dependent-step",
-        severity="error",
-        message=(
-            f"The step's update changes with the loss scale: at {power(low)} and"
-            f" {power(high)} it differs in {len(differ)} of {len(before)} leaves:"
-            f" {listed}{more}. "
-            + (
-                "Its gradients are not those of the scaled loss (they stay finite"
-                " at a scale of inf), and the unscaling divides them by the scale."
-                if unscaled
-                else "Its gradients are those of the scaled loss (not finite at a"
-                " scale of inf), but a transformation reads them before they are"
-                " unscaled (e.g. a clip)."
-            )
-            + " With Adam the step may still train (its normalisation hides a"
-            " factor); with SGD it stalls, and `metrics` look healthy."
-        ),
-        where=next(iter(differ)),
-        fix=_fix(state, unscaled),
+    finding = step_findings.scale_dependent(
+        state, differ, len(before), low, high, unscaled
     )
     return PreflightReport((finding,), None, notes)
-
-
-def _fix(state: Any, unscaled: bool) -> str:
-    """The fix of either mistake, for the API that holds the loss-scale state."""
-    # A `lossscale.flax.TrainState` exists only once its module is imported.
-    module = sys.modules.get("lossscale._src.api.flax_training")
-    train_state = getattr(module, "TrainState", WrapState)
-    nodes = jax.tree.leaves(
-        state, is_leaf=lambda x: isinstance(x, WrapState | train_state)
-    )
-    chain = "`optax.chain(optax.clip_by_global_norm(1.0), inner)`"
-    untouched = f"or a `tx` that clips ({chain}); pass it the gradients untransformed"
-    if any(isinstance(x, WrapState) for x in nodes):
-        scale_from = "opt_state, params"
-        clip = (
-            f"`lossscale.wrap({chain[1:-1]})` or `lossscale.wrap(inner,"
-            " clip_norm=1.0)`, not `optax.chain(clip, lossscale.wrap(inner))`"
-        )
-    elif any(isinstance(x, train_state) for x in nodes):
-        scale_from = "state, state.params"
-        clip = f"`TrainState.create(..., clip_norm=1.0)`, {untouched}"
-    else:
-        scale_from = "loss_scale, params"
-        clip = f"`lossscale.apply_gradients(..., clip_norm=1.0)`, {untouched}"
-    if unscaled:
-        return (
-            "Differentiate the scaled loss: `loss, grads ="
-            f" lossscale.value_and_grad(loss_fn)({scale_from}, ...)`."
-        )
-    return f"Transform the gradients after the unscaling: {clip}."
 
 
 def _settable(state: LossScale) -> float:
@@ -188,14 +153,19 @@ def _settable(state: LossScale) -> float:
 
 
 def _at(state: LossScale, scale: float) -> LossScale:
-    """`state` at `scale` (a static scale is a setting: a new state)."""
+    """`state` at `scale` (a static scale is a setting: a new state; not inf)."""
     if isinstance(state, StaticLossScale):
+        if not np.isfinite(scale):
+            return kinds.DynamicLossScale().replace(scale=scale)
         return StaticLossScale(scale)  # type: ignore[call-arg]  # its dataclass init
     return state.replace(scale=jnp.asarray(scale, jnp.float32))
 
 
-def _run(step, state, args, loss_scale) -> tuple[dict[str, Any], bool]:
-    """The step's new floating-point leaves with `loss_scale`; whether it skipped."""
+def _run(step, state, args, loss_scale, new_state=False):
+    """The step's new floating-point leaves with `loss_scale`; whether it skipped.
+
+    With `new_state`, also the loss-scale state the step returned.
+    """
     given = with_loss_scale(state, loss_scale)
     # Copies of every array: the step may donate its arguments, and these are
     # the caller's (the loss-scale state's counters too).
@@ -214,8 +184,11 @@ def _run(step, state, args, loss_scale) -> tuple[dict[str, Any], bool]:
             " loss-scale state updated), or a tuple whose first element is; it"
             f" returned a {type(out).__name__} with other floating-point leaves."
         )
-    after = int(lookup.find(out, "step(state, ...)").skipped_steps)
-    return _float_leaves(out), after > before
+    returned = values(lookup.find(out, "step(state, ...)"))
+    skipped = int(returned.skipped_steps) > before
+    if new_state:
+        return _float_leaves(out), skipped, returned
+    return _float_leaves(out), skipped
 
 
 def _float_leaves(tree: Any) -> dict[str, Any]:
@@ -243,9 +216,56 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> float | None:
 
 
 def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
-    """`tree` with `loss_scale` in place of each loss-scale state it holds."""
+    """`tree` with `loss_scale` in place of each loss-scale state it holds.
+
+    In Flax NNX objects (a `lossscale.flax.Optimizer`) the state's fields are
+    `nnx.Variable`s, which the optimizer's update writes in place: they are kept,
+    holding the new values, so the state must keep its kind and settings.
+    """
+
+    def put(old: Any) -> Any:
+        if not isinstance(old, LossScale):
+            return old
+        variable = _variable_type()
+        if variable is None or not any(
+            isinstance(x, variable)
+            for x in jax.tree.leaves(old, is_leaf=lambda x: isinstance(x, variable))
+        ):
+            return loss_scale
+        is_variable = lambda x: isinstance(x, variable)  # noqa: E731
+        if jax.tree.structure(old, is_leaf=is_variable) != jax.tree.structure(
+            loss_scale
+        ):
+            raise ValueError(
+                f"`state` holds a Flax NNX optimizer whose loss scale is a"
+                f" `{type(old).__name__}` with {old.get_config()}: its step runs"
+                " at other scales by setting its `scale` in place, which needs a"
+                " `DynamicLossScale`. Build the optimizer with"
+                " `lossscale.flax.Optimizer(..., loss_scale='dynamic')` for this"
+                " check."
+            )
+        return jax.tree.map(
+            lambda var, new: var.replace(new),
+            old,
+            loss_scale,
+            is_leaf=is_variable,
+        )
+
+    return jax.tree.map(put, tree, is_leaf=lambda x: isinstance(x, LossScale))
+
+
+def _variable_type() -> Any:
+    """`flax.nnx.Variable` if Flax NNX is imported (a state can hold one), else None."""
+    return getattr(sys.modules.get("flax.nnx"), "Variable", None)
+
+
+def values(state: LossScale) -> LossScale:
+    """`state` with plain arrays as leaves (NNX's hold `nnx.Variable`s)."""
+    variable = _variable_type()
+    if variable is None:
+        return state
     return jax.tree.map(
-        lambda x: loss_scale if isinstance(x, LossScale) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, LossScale),
+        lambda x: x.get_value() if isinstance(x, variable) else x,
+        state,
+        is_leaf=lambda x: isinstance(x, variable),
     )

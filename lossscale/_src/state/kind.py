@@ -35,7 +35,9 @@ class LossScale:
 
     Every state also has the counters that `lossscale.update` keeps:
     `skipped_steps`, `consecutive_skips`, `forward_overflows` (int32), `stuck`
-    (bool) and `overflow_leaf` (int32, written by the guarded steps).
+    (bool), `overflow_leaf` (int32, written by the guarded steps) and
+    `overflow_scale` (float32: the scale the latest skipped step ran at, 0
+    before any).
 
     Examples:
       The scale goes up by one after a finite step, down by one after another:
@@ -54,6 +56,7 @@ class LossScale:
       >>> paths = jax.tree_util.tree_leaves_with_path(state)
       >>> print(" ".join(jax.tree_util.keystr(path) for path, _ in paths))
       .scale .skipped_steps .consecutive_skips .forward_overflows .stuck .overflow_leaf
+      .overflow_scale
     """
 
     kind = "abstract"  # the kind name, `get_config()["kind"]`
@@ -63,6 +66,7 @@ class LossScale:
     forward_overflows: jax.Array = field(dtype=jnp.int32, default=0)
     stuck: jax.Array = field(dtype=jnp.bool_, default=False)
     overflow_leaf: jax.Array = field(dtype=jnp.int32, default=-1)
+    overflow_scale: jax.Array = field(dtype=jnp.float32, default=0.0)
 
     def __init__(self, **values: Any):  # a kind's is its dataclass `__init__`
         raise TypeError(
@@ -213,6 +217,8 @@ class LossScale:
 kind_fields.lay_out(LossScale, ())
 # The counters every state has, which `lossscale.update` keeps.
 COUNTERS = LossScale._leaves
+# The counters a lossscale 0.3.0 checkpoint lacks (`compat` restores it).
+ADDED_AFTER_0_3_0 = ("overflow_scale",)
 
 
 def rule_fields(kind: type[LossScale]) -> tuple[str, ...]:

@@ -76,8 +76,10 @@ def next_state(
 ) -> LossScale:
     """`update` of validated flags; the guarded step's also records `overflow_leaf`.
 
-    A skipped step records `first_nonfinite`, the first non-finite leaf's index
-    (`finite.Checked.first`), as `overflow_leaf`; an applied one keeps the last.
+    A skipped step records the scale it ran at, as `overflow_scale` (what
+    `locate_overflow` reruns its batch at), and `first_nonfinite`, the first
+    non-finite leaf's index (`finite.Checked.first`), as `overflow_leaf`; an
+    applied one keeps the last.
     """
     ruled = _ruled(loss_scale, grads_finite)
     applied = grads_finite & loss_finite
@@ -105,6 +107,11 @@ def next_state(
         ),
         # `~(scale > min_scale)`, not `scale <= min_scale`: a NaN scale is stuck too.
         stuck=backward_overflow & ~(loss_scale.scale > loss_scale.min_scale),
+        overflow_scale=jnp.where(
+            applied,
+            loss_scale.overflow_scale,
+            jnp.asarray(loss_scale.scale, jnp.float32),
+        ),
     )
     if first_nonfinite is not None:
         counters["overflow_leaf"] = jnp.where(

@@ -1,0 +1,157 @@
+"""Restoring a checkpoint that lossscale 0.3.0 wrote.
+
+Since 0.3.0 every state also records `overflow_scale`, the scale its latest
+skipped step ran at, so a 0.3.0 checkpoint lacks that leaf and Orbax refuses it
+with today's state as the target ("tree structures do not match"). The restore
+target is laid out as 0.3.0 saved it (`checkpoint_0_3_0_layout`), and the
+states rebuilt from what comes back (`from_checkpoint_0_3_0`), the new counter
+at its default: any other mismatch is still refused by the restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lossscale._src.state import kind_fields
+from lossscale._src.state.kind import ADDED_AFTER_0_3_0
+from lossscale._src.state.kind import COUNTERS
+from lossscale._src.state.kind import LossScale
+
+
+def checkpoint_0_3_0_layout(target: Any) -> Any:
+    """The restore target for a checkpoint written by lossscale 0.3.0.
+
+    `target` with each loss-scale state as a dict of the fields 0.3.0 saved
+    (all but `overflow_scale`), which is what Orbax restores a 0.3.0 state
+    into; in the state of a `lossscale.flax.Optimizer` (`nnx.state(optimizer)`,
+    where the loss-scale state is a dict of its fields already), the entries
+    0.3.0 did not have are left out. Restore into it, then pass what comes back
+    to `from_checkpoint_0_3_0` (or, for NNX, to `nnx.update(optimizer, ...)`).
+
+    Args:
+      target: the restore target as for a checkpoint of this version, concrete
+        or abstract (`jax.ShapeDtypeStruct` leaves): a tree holding loss-scale
+        states (a `TrainState`, `(params, opt_state)`, `nnx.state(optimizer)`).
+
+    Returns:
+      The same tree, each loss-scale state laid out as 0.3.0 saved it.
+
+    Raises:
+      ValueError: if `target` holds no loss-scale state.
+
+    Examples:
+      >>> import jax.numpy as jnp, lossscale
+      >>> layout = lossscale.checkpoint_0_3_0_layout(
+      ...     {"w": jnp.zeros(2), "loss_scale": lossscale.StaticLossScale(8.0)})
+      >>> print(sorted(layout["loss_scale"]))
+      ['consecutive_skips', 'forward_overflows', 'overflow_leaf', 'skipped_steps',
+       'stuck']
+    """
+    found = [False]
+
+    def laid_out(node: Any) -> Any:
+        if isinstance(node, LossScale):
+            found[0] = True
+            names = kind_fields.leaf_names(type(node))
+            return {n: getattr(node, n) for n in names if n not in ADDED_AFTER_0_3_0}
+        if _is_nnx_entries(node):
+            found[0] = True
+            kept = {k: v for k, v in node.items() if k not in ADDED_AFTER_0_3_0}
+            return type(node)(kept)
+        return node
+
+    layout = jax.tree.map(laid_out, target, is_leaf=_is_state)
+    if not found[0]:
+        raise ValueError(
+            f"`target` (a {type(target).__name__}) holds no loss-scale state: pass"
+            " the restore target you would use for a checkpoint of this version"
+            " (the train state, `(params, opt_state)`, `nnx.state(optimizer)`)."
+        )
+    return layout
+
+
+def from_checkpoint_0_3_0(restored: Any, target: Any) -> Any:
+    """The states of a lossscale 0.3.0 checkpoint, from what the restore returned.
+
+    Each loss-scale state of `target` is rebuilt, of its kind and settings,
+    from the fields restored in its place (every field and counter as 0.3.0
+    saved it), with `overflow_scale` at its default, 0: the checkpoint does
+    not say at which scale a skip it recorded ran. The state of an NNX
+    optimizer needs none of this: `nnx.update(optimizer, restored)` leaves the
+    optimizer's own `overflow_scale`.
+
+    Args:
+      restored: what the restore into `checkpoint_0_3_0_layout(target)`
+        returned.
+      target: the tree the layout was made from (concrete or abstract).
+
+    Returns:
+      `restored` with each loss-scale state rebuilt: the tree a checkpoint of
+      this version restores to.
+
+    Raises:
+      ValueError: if a loss-scale state's place in `restored` does not hold
+        the fields 0.3.0 saved, or the trees do not match.
+      TypeError: if it holds a state already (a checkpoint of this version).
+
+    Examples:
+      >>> import jax.numpy as jnp, lossscale
+      >>> target = {"loss_scale": lossscale.DynamicLossScale()}
+      >>> restored = lossscale.checkpoint_0_3_0_layout(target)  # as restored
+      >>> restored["loss_scale"]["skipped_steps"] = jnp.int32(2)
+      >>> state = lossscale.from_checkpoint_0_3_0(restored, target)["loss_scale"]
+      >>> print(state.skipped_steps, state.overflow_scale)
+      2 0.0
+    """
+
+    def rebuilt(path: Any, node: Any, value: Any) -> Any:
+        if not isinstance(node, LossScale):
+            return value
+        where = f"restored{jax.tree_util.keystr(path)}"
+        if isinstance(value, LossScale):
+            raise TypeError(
+                f"`{where}` is a `{type(value).__name__}` already: the checkpoint"
+                " was written after 0.3.0 and restores as it is, without the 0.3.0"
+                " layout."
+            )
+        kind = type(node)
+        names = kind_fields.leaf_names(kind)
+        saved = [n for n in names if n not in ADDED_AFTER_0_3_0]
+        if not isinstance(value, Mapping) or set(value) != set(saved):
+            got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise ValueError(
+                f"`{where}` must hold the fields 0.3.0 saved of a `{kind.__name__}`,"
+                f" {saved}, got {got}: restore into `checkpoint_0_3_0_layout(target)`"
+                " with the same `target`."
+            )
+        specs = kind_fields.specs(kind)
+        batch = jnp.shape(value["skipped_steps"])  # a state stacked for `pmap`
+        leaves = [
+            jnp.asarray(value[n], specs[n].dtype)
+            if n in value
+            else jnp.full(batch + specs[n].shape, _DEFAULTS[n], specs[n].dtype)
+            for n in names
+        ]
+        return jax.tree.unflatten(jax.tree.structure(node), leaves)
+
+    return jax.tree_util.tree_map_with_path(
+        rebuilt, target, restored, is_leaf=lambda x: isinstance(x, LossScale)
+    )
+
+
+# The counters' defaults, which a 0.3.0 checkpoint's missing ones take.
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(LossScale)}
+
+
+def _is_state(node: Any) -> bool:
+    return isinstance(node, LossScale) or _is_nnx_entries(node)
+
+
+def _is_nnx_entries(node: Any) -> bool:
+    """A loss-scale state as `nnx.state` holds it: a mapping of its fields."""
+    return isinstance(node, Mapping) and set(COUNTERS) <= set(node)
