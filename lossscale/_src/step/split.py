@@ -269,17 +269,6 @@ def _part(jaxpr: Any, positions: tuple[int, ...], all_equations: bool = False) -
     return Part(positions, held, jcore.ClosedJaxpr(part, ()))
 
 
-def _opened(closed: Any) -> Any:
-    """`closed` as a jaxpr of `inputs(closed)`: its constants become operands."""
-    jaxpr = closed.jaxpr
-    places = inputs(closed)
-    debug = jcore.DebugInfo(
-        "lossscale", "the applied step", ("",) * len(places), ("",) * len(jaxpr.outvars)
-    )
-    opened = jcore.Jaxpr((), places, jaxpr.outvars, jaxpr.eqns, jaxpr.effects, debug)
-    return jcore.ClosedJaxpr(opened, ())
-
-
 def _vars(atoms: Iterable[Any]) -> list[Any]:
     """The variables among `atoms`: a literal is a value, and is never looked up."""
     return [v for v in atoms if isinstance(v, jcore.Var)]
