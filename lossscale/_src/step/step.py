@@ -149,10 +149,13 @@ def guarded_step(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
     kept = (carry, split.old) if apply_updates else carry
-    # -0.0 on an applied step, where the CPU form's cond reads it as a value
-    # XLA cannot see (`_rounded`); the select forms get a constant, which XLA
-    # folds away with its add: they add the updates where `wrap`'s caller does.
-    zero = jnp.where(applied, jnp.float32(-0.0), jnp.float32(0.0))
+    # -0.0 on an applied step, where the CPU form's cond adds the updates and
+    # reads it as a value XLA cannot see (`_rounded`). Elsewhere the updates
+    # cross the skip, as `wrap`'s caller gets them, and a constant is given,
+    # which XLA folds away with its add.
+    zero = jnp.float32(-0.0)
+    if apply_updates:
+        zero = jnp.where(applied, zero, jnp.float32(0.0))
     operands = (split.grads, split.params, kept, norm, zero)
     # Traced once: each backend's form is built from its jaxpr (`split`).
     jitted = jax.jit(applied_step)
@@ -177,7 +180,7 @@ def guarded_step(
         updates = [(k, None) for k in range(first)]  # the fp8 differences too
 
     def select(*leaves):
-        values = [*inner.consts, *leaves[:-1], jnp.float32(-0.0)]  # the zero
+        values = [*inner.consts, *leaves[:-1], jnp.float32(-0.0)]  # a constant
         given = split_step.select(inner, values, applied, updates + carried)
         if not apply_updates:
             return given
