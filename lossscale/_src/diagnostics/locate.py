@@ -210,5 +210,5 @@ def locate_overflow(
 def _state(loss_scale: Any) -> Any:
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
     if checks.is_number(found):
-        return kinds.StaticLossScale(found)  # type: ignore[call-arg]  # its dataclass init
+        return kinds.StaticLossScale(found)
     return found

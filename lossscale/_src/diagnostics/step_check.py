@@ -190,7 +190,7 @@ def _settable(state: LossScale) -> float:
 def _at(state: LossScale, scale: float) -> LossScale:
     """`state` at `scale` (a static scale is a setting: a new state)."""
     if isinstance(state, StaticLossScale):
-        return StaticLossScale(scale)  # type: ignore[call-arg]  # its dataclass init
+        return StaticLossScale(scale)
     return state.replace(scale=jnp.asarray(scale, jnp.float32))
 
 
