@@ -8,6 +8,8 @@ Before the first step, `preflight` says what in a float16 program will fail.
 Subclass `LossScale` to define a kind of loss scale of your own.
 """
 
+import typing as _typing
+
 from lossscale._src.api.apply import apply_gradients
 from lossscale._src.api.functional import all_finite
 from lossscale._src.api.functional import scale_loss
@@ -70,9 +72,11 @@ __all__ = (
     "wrap",
 )
 
+if not _typing.TYPE_CHECKING:  # to a type checker, a misspelt name is an error
 
-def __getattr__(name: str):
-    # lossscale 0.2's removed names: an alias that warns, or an error naming 0.3's.
-    from lossscale._src.compat import compat_0_2
+    def __getattr__(name: str):
+        # lossscale 0.2's removed names: an alias that warns, or an error naming
+        # 0.3's.
+        from lossscale._src.compat import compat_0_2
 
-    return compat_0_2.module_attribute(name)
+        return compat_0_2.module_attribute(name)

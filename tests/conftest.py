@@ -29,6 +29,9 @@ settings.register_profile(
 )
 settings.load_profile("lossscale")
 
+# A user's code for the type checkers (test_typing.py), not tests: never imported.
+collect_ignore = ["typing"]
+
 
 # The files holding the longest tests (trainings, notebooks, processes) run first, so
 # the two workers of `-n 2` end together instead of one waiting on a late long test.

@@ -11,6 +11,8 @@ import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
+from typing import ParamSpec
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -18,18 +20,25 @@ import numpy as np
 import optax
 
 AxisName = str | tuple[str, ...]
+_Parameters = ParamSpec("_Parameters")
+_Result = TypeVar("_Result")
 
 
-def by_keyword(positional: int, example: str) -> Callable[[Callable], Callable]:
+def by_keyword(
+    positional: int, example: str
+) -> Callable[[Callable[_Parameters, _Result]], Callable[_Parameters, _Result]]:
     """A decorator: more than `positional` arguments by position raise a TypeError.
 
     For functions whose other arguments are keyword-only: the error shows
-    `example`, the call that works, not Python's bare count.
+    `example`, the call that works, not Python's bare count. The decorated
+    function keeps its signature, to type checkers too.
     """
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(
+        fn: Callable[_Parameters, _Result],
+    ) -> Callable[_Parameters, _Result]:
         @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def call(*args: _Parameters.args, **kwargs: _Parameters.kwargs) -> _Result:
             if len(args) > positional:
                 raise TypeError(
                     f"`{fn.__name__}` takes {positional} argument(s) by position and"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from typing import cast
 
 import jax
 import optax
@@ -10,6 +11,7 @@ import optax
 from lossscale._src import checks
 from lossscale._src.api import lookup
 from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kind import LossScaleT
 from lossscale._src.step import fp8
 from lossscale._src.step import step
 
@@ -25,12 +27,12 @@ def apply_gradients(
     grads: Any,
     params: Any,
     opt_state: optax.OptState,
-    loss_scale: LossScale,
+    loss_scale: LossScaleT,
     value: jax.typing.ArrayLike | None = None,
     axis_name: checks.AxisName | None = None,
     clip_norm: float | None = None,
     **extra_args: Any,
-) -> tuple[Any, optax.OptState, LossScale]:
+) -> tuple[Any, optax.OptState, LossScaleT]:
     """Applies the gradients of a scaled loss with `tx`, or skips the step.
 
     The functional form of `lossscale.flax.TrainState.apply_gradients`: what
@@ -111,7 +113,8 @@ def apply_gradients(
         # Checked only now: tracing `tx.init` costs as much as the step.
         _refuse_foreign_state(tx, params, opt_state)
         raise
-    return result.output, result.carry, result.loss_scale
+    # Of `loss_scale`'s kind: `lossscale.update` moved it.
+    return result.output, result.carry, cast(LossScaleT, result.loss_scale)
 
 
 def _refuse_foreign_state(tx: optax.GradientTransformation, params, opt_state):

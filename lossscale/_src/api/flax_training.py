@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Callable
 from typing import Any
+from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -77,14 +79,14 @@ class TrainState(train_state.TrainState):
     def create(
         cls,
         *,
-        apply_fn,
-        params,
+        apply_fn: Callable[..., Any],
+        params: Any,
         tx: optax.GradientTransformation,
         loss_scale: kinds.StateOrSpec = "dynamic",
         axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
-        **kwargs,
-    ) -> TrainState:
+        **kwargs: Any,
+    ) -> Self:
         """Creates a train state with `step` 0 and fresh optimizer state.
 
         Args:
@@ -132,7 +134,9 @@ class TrainState(train_state.TrainState):
         )
 
     @checks.by_keyword(1, "`state.apply_gradients(grads=grads)`")
-    def apply_gradients(self, *, grads, value=None, **kwargs) -> TrainState:
+    def apply_gradients(
+        self, *, grads: Any, value: jax.typing.ArrayLike | None = None, **kwargs: Any
+    ) -> Self:
         """Applies the gradients of the scaled loss, or skips them if not finite.
 
         Args:
@@ -251,14 +255,14 @@ class Optimizer(nnx.Optimizer):
 
     def __init__(
         self,
-        model,
+        model: nnx.Module,
         tx: optax.GradientTransformation,
         *,
-        wrt,
+        wrt: Any,
         loss_scale: kinds.StateOrSpec = "dynamic",
         axis_name: checks.AxisName | None = None,
         clip_norm: float | None = None,
-        **kwargs,
+        **kwargs: Any,
     ):
         tx = wrapper.wrap(tx, loss_scale, axis_name=axis_name, clip_norm=clip_norm)
         super().__init__(model, tx, wrt=wrt, **kwargs)
@@ -268,7 +272,7 @@ class Optimizer(nnx.Optimizer):
         """The loss-scale state, with plain arrays as leaves."""
         return lookup.find(nnx.as_pure(self.opt_state), "opt_state")
 
-    def update(self, model, grads, /, **kwargs) -> optax.Updates:
+    def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> optax.Updates:
         """Updates the model from gradients of the scaled loss; see `nnx.Optimizer`.
 
         Args:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from typing import Any
+from typing import overload
 
 import jax
 
@@ -15,6 +16,10 @@ from lossscale._src.step import fp8
 from lossscale._src.step import unscaling
 
 
+@overload
+def scale_loss(loss: Callable[[], Any], loss_scale: Any) -> Callable[[], jax.Array]: ...
+@overload
+def scale_loss(loss: jax.typing.ArrayLike, loss_scale: Any) -> jax.Array: ...
 def scale_loss(loss: Any, loss_scale: Any) -> Any:
     """Returns the loss multiplied by the current loss scale.
 

@@ -239,7 +239,7 @@ def _state(loss_scale: Any) -> tuple[Any, float | None]:
     """
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
     if checks.is_number(found):
-        return kinds.StaticLossScale(found), None  # type: ignore[call-arg]  # its dataclass init
+        return kinds.StaticLossScale(found), None
     skips, ran_at, now = (
         np.asarray(x)
         for x in (found.consecutive_skips, found.overflow_scale, found.scale)
@@ -249,4 +249,4 @@ def _state(loss_scale: Any) -> tuple[Any, float | None]:
         return found, None
     if ran_at == now:
         return found, None
-    return kinds.StaticLossScale(float(ran_at)), float(now)  # type: ignore[call-arg]
+    return kinds.StaticLossScale(float(ran_at)), float(now)

@@ -157,7 +157,7 @@ def _at(state: LossScale, scale: float) -> LossScale:
     if isinstance(state, StaticLossScale):
         if not np.isfinite(scale):
             return kinds.DynamicLossScale().replace(scale=scale)
-        return StaticLossScale(scale)  # type: ignore[call-arg]  # its dataclass init
+        return StaticLossScale(scale)
     return state.replace(scale=jnp.asarray(scale, jnp.float32))
 
 

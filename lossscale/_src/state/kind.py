@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import ClassVar
 from typing import Self
+from typing import TypeVar
+from typing import dataclass_transform
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,23 @@ from lossscale._src.state import kind_fields
 from lossscale._src.state import kind_validation
 from lossscale._src.state.kind_fields import field
 
+if TYPE_CHECKING:
 
+    class _Scale:
+        """To type checkers, a state's `scale`: a float32 scalar array."""
+
+        def __get__(self, state: object, kind: type | None = None) -> jax.Array: ...
+
+
+# To type checkers, a kind is the dataclass it is at run time: its constructor takes
+# its fields (`lossscale.field`), by keyword unless `kw_only=False`, and its
+# instances are frozen.
+@dataclass_transform(
+    eq_default=False,
+    kw_only_default=True,
+    frozen_default=True,
+    field_specifiers=(field,),
+)
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
 class LossScale:
     """Base class of loss-scale states; subclass it to define a kind of your own.
@@ -84,6 +103,12 @@ class LossScale:
         for hook in _HOOKS:
             hook(cls)
 
+    if TYPE_CHECKING:
+        # Every kind has one, an array field or a property (checked where the class
+        # is created). Declared by a descriptor: mypy and pyright then take either
+        # in a kind (pyright refuses a field overriding a property).
+        scale = _Scale()
+
     def rule(self, grads_finite: jax.Array) -> LossScale:
         """The kind's rule: this state after a step whose loss was finite.
 
@@ -150,7 +175,7 @@ class LossScale:
         return {"kind": self.kind, **{n: getattr(self, n) for n in settings}}
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> LossScale:
+    def from_config(cls, config: dict[str, Any]) -> Self:
         """Returns a fresh state of the kind and settings in `config`.
 
         `LossScale.from_config` builds any registered kind (one defined in your
@@ -204,8 +229,10 @@ class LossScale:
 
     __hash__ = None  # type: ignore[assignment]  # equal states may hold other buffers
 
-    def __getattr__(self, name: str) -> Any:  # only for names no state has
-        return deprecation.state_attribute(self, name)  # 0.2's `lowest_scale`, ...
+    if not TYPE_CHECKING:  # to a type checker, a misspelt attribute is an error
+
+        def __getattr__(self, name: str) -> Any:  # only for names no state has
+            return deprecation.state_attribute(self, name)  # 0.2's `lowest_scale`
 
     def __repr__(self) -> str:
         kind = type(self)
@@ -215,6 +242,9 @@ class LossScale:
 
 
 kind_fields.lay_out(LossScale, ())
+# A state of some kind: what `update` and `apply_gradients` return is of the kind
+# they were given.
+LossScaleT = TypeVar("LossScaleT", bound=LossScale)
 # The counters every state has, which `lossscale.update` keeps.
 COUNTERS = LossScale._leaves
 # The counters a lossscale 0.3.0 checkpoint lacks (`compat` restores it).

@@ -7,6 +7,7 @@ carried from step to step, a spec is refused: `validate_state`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -18,6 +19,9 @@ from lossscale._src import deprecation
 from lossscale._src.state import kind_validation
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kind_fields import field
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
 
 
 class NoOpLossScale(LossScale, kind="none"):
@@ -38,8 +42,20 @@ class NoOpLossScale(LossScale, kind="none"):
     min_scale = 1.0
     max_scale = 1.0
 
+    if TYPE_CHECKING:  # its dataclass `__init__`, as type checkers should read it
+
+        def __init__(
+            self,
+            *,
+            skipped_steps: ArrayLike = 0,
+            consecutive_skips: ArrayLike = 0,
+            forward_overflows: ArrayLike = 0,
+            stuck: ArrayLike = False,
+            overflow_leaf: ArrayLike = -1,
+        ) -> None: ...
+
     @property
-    def scale(self) -> jax.Array:
+    def scale(self) -> jax.Array:  # type: ignore[override]  # read-only, as `_Scale`
         return jnp.ones([], jnp.float32)
 
     def rule(self, grads_finite: jax.Array) -> NoOpLossScale:
@@ -70,12 +86,25 @@ class StaticLossScale(LossScale, kind="static"):
 
     value: float = field(static=True, kw_only=False)
 
+    if TYPE_CHECKING:  # its dataclass `__init__`, as type checkers should read it
+
+        def __init__(
+            self,
+            value: float,
+            *,
+            skipped_steps: ArrayLike = 0,
+            consecutive_skips: ArrayLike = 0,
+            forward_overflows: ArrayLike = 0,
+            stuck: ArrayLike = False,
+            overflow_leaf: ArrayLike = -1,
+        ) -> None: ...
+
     def __post_init__(self):
         value = kind_validation.positive_float32("value", self.value, "StaticLossScale")
         object.__setattr__(self, "value", value)
 
     @property
-    def scale(self) -> jax.Array:
+    def scale(self) -> jax.Array:  # type: ignore[override]  # read-only, as `_Scale`
         return jnp.asarray(self.value, jnp.float32)
 
     @property
@@ -141,6 +170,28 @@ class DynamicLossScale(LossScale, kind="dynamic"):
     min_scale: float = field(static=True, default=1.0)
     max_scale: float = field(static=True, default=2.0**24)
     hysteresis: int = field(static=True, default=1)
+
+    if TYPE_CHECKING:
+        # Its dataclass `__init__`, as type checkers should read it: an array
+        # field takes a Python number too (cast to its dtype).
+        def __init__(
+            self,
+            scale: ArrayLike | None = None,
+            *,
+            skipped_steps: ArrayLike = 0,
+            consecutive_skips: ArrayLike = 0,
+            forward_overflows: ArrayLike = 0,
+            stuck: ArrayLike = False,
+            overflow_leaf: ArrayLike = -1,
+            counter: ArrayLike = 0,
+            overflows_since_growth: ArrayLike = 0,
+            growth_interval: int = 2000,
+            growth_factor: float = 2.0,
+            backoff_factor: float = 0.5,
+            min_scale: float = 1.0,
+            max_scale: float = 2.0**24,
+            hysteresis: int = 1,
+        ) -> None: ...
 
     def __post_init__(self):
         owner = "DynamicLossScale"
@@ -263,7 +314,7 @@ def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
             " scale is a number, e.g. `1024.0`, or `lossscale.StaticLossScale(s)`)."
         )
     if checks.is_number(spec):
-        return StaticLossScale(spec)  # type: ignore[call-arg]  # its dataclass init
+        return StaticLossScale(spec)
     if isinstance(spec, type) and issubclass(spec, LossScale):
         raise TypeError(
             f"`{name}` got the class `{spec.__name__}`; pass a state, an instance:"

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
 from lossscale._src.state.kind import LossScale
+from lossscale._src.state.kind import LossScaleT
 from lossscale._src.state.kind import rule_fields
 
 
 def update(
-    loss_scale: LossScale,
+    loss_scale: LossScaleT,
     grads_finite: jax.typing.ArrayLike,
     loss_finite: jax.typing.ArrayLike = True,
-) -> LossScale:
+) -> LossScaleT:
     """Returns the next loss-scale state after a step.
 
     Usable inside `jax.jit`; branch-free. The kind's `rule` (for a
@@ -65,7 +68,8 @@ def update(
         "grads_finite", grads_finite, "lossscale.all_finite(grads)"
     )
     loss_finite = checks.as_predicate("loss_finite", loss_finite, "jnp.isfinite(loss)")
-    return next_state(loss_scale, grads_finite, loss_finite)
+    # Of `loss_scale`'s kind: `next_state` refuses a rule that returns another.
+    return cast(LossScaleT, next_state(loss_scale, grads_finite, loss_finite))
 
 
 def next_state(
