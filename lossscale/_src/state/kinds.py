@@ -52,6 +52,7 @@ class NoOpLossScale(LossScale, kind="none"):
             forward_overflows: ArrayLike = 0,
             stuck: ArrayLike = False,
             overflow_leaf: ArrayLike = -1,
+            overflow_scale: ArrayLike = 0.0,
         ) -> None: ...
 
     @property
@@ -97,6 +98,7 @@ class StaticLossScale(LossScale, kind="static"):
             forward_overflows: ArrayLike = 0,
             stuck: ArrayLike = False,
             overflow_leaf: ArrayLike = -1,
+            overflow_scale: ArrayLike = 0.0,
         ) -> None: ...
 
     def __post_init__(self):
@@ -183,6 +185,7 @@ class DynamicLossScale(LossScale, kind="dynamic"):
             forward_overflows: ArrayLike = 0,
             stuck: ArrayLike = False,
             overflow_leaf: ArrayLike = -1,
+            overflow_scale: ArrayLike = 0.0,
             counter: ArrayLike = 0,
             overflows_since_growth: ArrayLike = 0,
             growth_interval: int = 2000,
