@@ -857,12 +857,20 @@ def parse(argv=None):
     return args
 
 
+def device_name(kind: str) -> str:
+    """A GPU's model for a file name: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB
+    HBM3" -> "h100" (not "hbm3"), "NVIDIA A100-SXM4-80GB" -> "a100"."""
+    words = [w for w in kind.split() if w.upper() != "NVIDIA"]
+    model = next((w for w in words if any(c.isdigit() for c in w)), words[-1])
+    return model.split("-")[0].lower()
+
+
 def main(argv=None):
     args = parse(argv)
     clock = Clock(args.start_time or PROCESS_START, args.budget, args.reserve)
     backend = jax.default_backend()
     kind = jax.devices()[0].device_kind
-    device = kind.split()[-1].lower() if backend == "gpu" else backend
+    device = device_name(kind) if backend == "gpu" else backend
     os.makedirs(args.out_dir, exist_ok=True)
     prefix = os.path.join(args.out_dir, f"rl_long_run_{device}")
     say(clock, f"{kind} ({backend}), jax {jax.__version__}; out: {prefix}.*")

@@ -142,3 +142,14 @@ def test_each_run_leaves_the_later_runs_their_time():
     ]
     # bfloat16 0 must end by 100 - (12 + 10 + 12 + 20); float32, last, by 100.
     assert deadlines == [46.0, 58.0, 68.0, 80.0, 100.0]
+
+
+def test_the_files_are_named_by_the_gpus_model():
+    names = {
+        "NVIDIA H200": "h200",
+        "NVIDIA H100 80GB HBM3": "h100",
+        "NVIDIA A100-SXM4-80GB": "a100",
+        "NVIDIA GeForce RTX 4090": "4090",
+    }
+    for kind, name in names.items():
+        assert rl_long_run.device_name(kind) == name, kind
