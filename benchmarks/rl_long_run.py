@@ -165,8 +165,10 @@ def initialise(model, batch) -> dict:
 
     Flax's `init` runs the forward pass: on a GPU that is one more program to
     compile and autotune (the first run spent 16 s before its pretraining step
-    began compiling). The random bits are threefry's on any device.
+    began compiling). The random bits are threefry's on any device. One row of
+    `batch` is enough: the parameters' shapes do not depend on the batch.
     """
+    batch = batch[:1]
     try:
         cpu = jax.devices("cpu")[0]
     except RuntimeError:
