@@ -9,7 +9,9 @@ The byte-level transformer of `benchmarks/language_model.py` (Flax linen, float3
 parameters) is pretrained briefly in float32 on the Python documentation
 (`pydoc_data.topics`), then fine-tuned with a policy gradient on a task whose reward
 a program checks: continue a prompt from the documentation with 32 bytes that contain
-no letter "e" (a lipogram; reward 1, else 0).
+no letter "e" (a lipogram; reward 1, else 0). `--task lipogram-words` grades the
+continuation instead, word by word (`words_reward`): it cannot be won by leaving the
+words out, and its rewards keep varying within a group for longer.
 
 As in RL frameworks, two programs compute the policy's token probabilities from the
 same float32 parameters, both in the run's precision: the sampler (`sample`), an
@@ -43,8 +45,11 @@ for hundreds of steps on a larger model, on a GPU.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -88,6 +93,24 @@ SHORT_NAMES = {
     "float16-unscaled": "float16, no loss scaling",
 }
 FORBIDDEN = b"eE"  # the lipogram's bytes
+# The tasks (`--task`): what the reward of a continuation is.
+TASKS = {
+    "lipogram": "1 for 32 bytes without the letter e, else 0",
+    "lipogram-words": "+1 for each distinct documentation word without an e, -1/2"
+    " for each word with one (complete words only)",
+}
+
+
+def _matmul_precision(precision: str | None):
+    """`jax.default_matmul_precision(precision)` while tracing; None: JAX's default.
+
+    Inside a jitted function it sets the precision of that program's dots only: the
+    eager operations around it keep their compiled forms (the precision is part of
+    every jit's cache key, so a context around a whole loop compiles them again).
+    """
+    if precision is None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(precision)
 
 
 def new_loss_scale(spec: str | None) -> lossscale.LossScale:
@@ -187,6 +210,7 @@ def sample(
     compute,
     heads: int = 4,
     attention: str = "kernel",
+    matmul_precision: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples continuations token by token, as an inference engine does.
 
@@ -204,6 +228,9 @@ def sample(
       compute: the compute dtype (float32, bfloat16 or float16).
       heads: the model's attention heads.
       attention: "kernel" or "softmax".
+      matmul_precision: the dots' precision, as `jax.default_matmul_precision`
+        takes it ("highest": float32 dots in float32 on a GPU, not TF32); None:
+        JAX's default.
 
     Returns:
       `(generated, log_probs)`: the `(batch, new_tokens)` int32 bytes, and the
@@ -212,13 +239,20 @@ def sample(
     """
     # All by position: jit caches on the keywords as spelled, so a call that spelled
     # out a default would compile the sampler a second time.
-    return _sample(params, prompts, key, new_tokens, compute, heads, attention)
+    return _sample(
+        params, prompts, key, new_tokens, compute, heads, attention, matmul_precision
+    )
 
 
 @functools.partial(
-    jax.jit, static_argnums=(3, 4, 5, 6), compiler_options=STRICT_ROUNDING
+    jax.jit, static_argnums=(3, 4, 5, 6, 7), compiler_options=STRICT_ROUNDING
 )
-def _sample(params, prompts, key, new_tokens, compute, heads, attention):
+def _sample(params, prompts, key, new_tokens, compute, heads, attention, precision):
+    with _matmul_precision(precision):
+        return _sample_body(params, prompts, key, new_tokens, compute, heads, attention)
+
+
+def _sample_body(params, prompts, key, new_tokens, compute, heads, attention):
     batch, prompt_length = prompts.shape
     layers = sum(name.startswith("Block_") for name in params)
     width = params["position"].shape[1]
@@ -326,6 +360,110 @@ def reward(generated: jax.Array) -> jax.Array:
     return 1.0 - hit.any(-1).astype(F32)
 
 
+# `--task lipogram-words`. The binary lipogram above is won by a continuation of
+# spaces (the first GPU run's policies found it within 50 steps, after which every
+# group's rewards were equal and nothing trained); this one scores words.
+WORDS_MIN_COUNT = 10  # uses in the documentation for a word to count
+HASH_MULTIPLIER = 16777619  # odd: a word's hash, its bytes' polynomial mod 2**32
+
+
+def word_hash(word: bytes) -> int:
+    """A word's hash as `words_reward` computes it, from its lower-case bytes.
+
+    `h * 16777619 + byte` over the bytes, from 0, modulo 2**32.
+    """
+    h = 0
+    for byte in word.lower():
+        h = (h * HASH_MULTIPLIER + byte) & 0xFFFFFFFF
+    return h
+
+
+@functools.cache
+def vocabulary() -> np.ndarray:
+    """The hashes of the words `words_reward` pays for, sorted, `uint32`.
+
+    The words (runs of ASCII letters, lower-cased) of the training text
+    (`language_model.corpus()`'s first part) with at least 2 letters, no "e" and
+    at least `WORDS_MIN_COUNT` uses: 271 words, "is", "of", "in", ..., "python".
+    """
+    data, _ = language_model.corpus()
+    counts = collections.Counter(
+        word.lower() for word in re.findall(rb"[A-Za-z]+", data.tobytes())
+    )
+    words = {
+        word
+        for word, count in counts.items()
+        if count >= WORDS_MIN_COUNT and len(word) >= 2 and b"e" not in word
+    }
+    return np.array(sorted({word_hash(word) for word in words}), np.uint32)
+
+
+def words_reward(tokens: jax.Array, prompt_length: int) -> jax.Array:
+    """`--task lipogram-words`: the continuations' words, scored.
+
+    A word is a run of ASCII letters that the continuation holds whole: the byte
+    before it (the prompt's last byte for the first) and the byte after it are not
+    letters, so a word cut by the prompt or by the end counts for nothing. Each
+    word with an "e" (either case) scores -1/2; each word without one, of at least
+    2 letters, that the documentation uses at least `WORDS_MIN_COUNT` times
+    (`vocabulary`), scores +1 the first time it appears (lower-cased) and 0 after.
+    The reward is the sum: spaces score 0, the documentation's own text about 0.6
+    on average (32-byte windows of it, from -3 to 7), and it rises with more and
+    shorter distinct words without an e.
+
+    Args:
+      tokens: `(batch, prompt length + new tokens)` int32, prompts and
+        continuations.
+      prompt_length: where the continuations start (at least 1).
+
+    Returns:
+      `(batch,)` float32 rewards.
+    """
+    return _words_reward(tokens, vocabulary(), prompt_length)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _words_reward(tokens, words, prompt_length):
+    window = tokens[:, prompt_length - 1 :].astype(jnp.uint32)  # one prompt byte
+    upper = (window >= ord("A")) & (window <= ord("Z"))
+    letter = upper | ((window >= ord("a")) & (window <= ord("z")))
+    lower = jnp.where(upper, window + 32, window)
+    count = window.shape[1]
+    index = jnp.arange(count)
+    # The hash of the word so far at each byte: h -> h * multiplier + byte at a
+    # letter, h -> 0 after any other byte. Affine maps compose, so an associative
+    # scan gives them all without a loop of `count` steps.
+    scale = jnp.where(letter, jnp.uint32(HASH_MULTIPLIER), jnp.uint32(0))
+    shift = jnp.where(letter, lower, jnp.uint32(0))
+    _, h = jax.lax.associative_scan(
+        lambda f, g: (g[0] * f[0], g[0] * f[1] + g[1]), (scale, shift), axis=1
+    )
+    gap = jax.lax.cummax(jnp.where(letter, -1, index), axis=1)  # last non-letter
+    length = index - gap  # letters in the word so far
+    es = jnp.cumsum(letter & (lower == ord("e")), axis=1)
+    before = jnp.where(gap >= 0, jnp.take_along_axis(es, gap.clip(0), axis=1), 0)
+    has_e = es > before
+    # A word ends at j if the next byte is no letter (the last byte: cut off), and
+    # starts after the window's first byte (the prompt's) if length <= j.
+    ends = letter & jnp.pad(~letter[:, 1:], ((0, 0), (0, 1)))
+    whole = ends & (length <= index)
+    known = (h[:, :, None] == words).any(-1) & (length >= 2) & ~has_e & whole
+    # Repeats: the same known word at an earlier end.
+    earlier = index[None, :] < index[:, None]  # (j, i)
+    repeat = ((h[:, :, None] == h[:, None, :]) & known[:, None, :] & earlier).any(-1)
+    score = (known & ~repeat).sum(-1) - 0.5 * (whole & has_e).sum(-1)
+    return score.astype(F32)
+
+
+def task_reward(task: str, tokens: jax.Array, prompt_length: int) -> jax.Array:
+    """The reward of `TASKS[task]` for each continuation of `tokens`."""
+    if task == "lipogram":
+        return reward(tokens[:, prompt_length:])
+    if task == "lipogram-words":
+        return words_reward(tokens, prompt_length)
+    raise ValueError(f"task={task!r} is not a task here; use one of {sorted(TASKS)}")
+
+
 def group_advantages(rewards: jax.Array, group: int) -> jax.Array:
     """GRPO's advantages: each reward against its prompt's group of `group`.
 
@@ -394,14 +532,21 @@ class Program(NamedTuple):
 
 @functools.cache
 def program(
-    compute, learning_rate: float, prompt_length: int, width: int, layers, heads=4
+    compute,
+    learning_rate: float,
+    prompt_length: int,
+    width: int,
+    layers,
+    heads=4,
+    matmul_precision: str | None = None,
 ):
     """The trainer's model, Adam, the loss and the jitted step, for `compute`.
 
     Cached, so that runs of several seeds in one process compile the step once.
     The step returns the new `(params, opt_state, loss_scale)`, the loss, the
     mismatch dict and the global norm of the unscaled gradients (the norm the
-    clip sees; not finite on a skipped step).
+    clip sees; not finite on a skipped step). Its dots run at `matmul_precision`
+    (as `sample`'s).
     """
     model = language_model.ByteLM(
         width=width, layers=layers, heads=heads, compute=compute
@@ -411,19 +556,20 @@ def program(
 
     @functools.partial(jax.jit, compiler_options=STRICT_ROUNDING)
     def train_step(params, opt_state, loss_scale, tokens, sampler_lp, advantages):
-        (loss, aux), grads = lossscale.value_and_grad(loss_fn, has_aux=True)(
-            loss_scale, params, tokens, sampler_lp, advantages
-        )
-        unscaled = jax.tree.leaves(lossscale.unscale_grads(grads, loss_scale))
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in unscaled))
-        params, opt_state, loss_scale = lossscale.apply_gradients(
-            tx,
-            grads=grads,  # of the scaled loss
-            params=params,
-            opt_state=opt_state,
-            loss_scale=loss_scale,
-            value=loss,  # a non-finite loss is skipped without backing off
-        )
+        with _matmul_precision(matmul_precision):
+            (loss, aux), grads = lossscale.value_and_grad(loss_fn, has_aux=True)(
+                loss_scale, params, tokens, sampler_lp, advantages
+            )
+            unscaled = jax.tree.leaves(lossscale.unscale_grads(grads, loss_scale))
+            grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in unscaled))
+            params, opt_state, loss_scale = lossscale.apply_gradients(
+                tx,
+                grads=grads,  # of the scaled loss
+                params=params,
+                opt_state=opt_state,
+                loss_scale=loss_scale,
+                value=loss,  # a non-finite loss is skipped without backing off
+            )
         return params, opt_state, loss_scale, loss, aux, grad_norm
 
     return Program(model, tx, loss_fn, train_step)
@@ -470,9 +616,21 @@ def pretrain(
 
 
 def rollout(
-    params, prompts, key, *, compute, group: int, new_tokens: int, heads: int = 4
+    params,
+    prompts,
+    key,
+    *,
+    compute,
+    group: int,
+    new_tokens: int,
+    heads: int = 4,
+    task: str = "lipogram",
+    matmul_precision: str | None = None,
 ):
     """One on-policy batch: `group` samples per prompt from the sampler.
+
+    The rewards are `task`'s (a key of `TASKS`); `matmul_precision` is the
+    sampler's (`sample`).
 
     Returns:
       `(tokens, sampler_log_probs, advantages, rewards)`: prompts and
@@ -481,10 +639,16 @@ def rollout(
     """
     prompts = jnp.repeat(prompts, group, axis=0)
     generated, sampler_lp = sample(
-        params, prompts, key, new_tokens=new_tokens, compute=compute, heads=heads
+        params,
+        prompts,
+        key,
+        new_tokens=new_tokens,
+        compute=compute,
+        heads=heads,
+        matmul_precision=matmul_precision,
     )
-    rewards = reward(generated)
     tokens = jnp.concatenate([prompts, generated], axis=1)
+    rewards = task_reward(task, tokens, prompts.shape[1])
     return tokens, sampler_lp, group_advantages(rewards, group), rewards
 
 
@@ -542,6 +706,8 @@ def fine_tune(
     run_preflight: bool = True,
     on_step=None,
     print_every: int = 0,
+    task: str = "lipogram",
+    matmul_precision: str | None = None,
 ):
     """RL fine-tuning from `params` in one precision; the per-step record.
 
@@ -565,6 +731,10 @@ def fine_tune(
       print_every: print a line under `PROGRESS_HEADER` every this many steps
         and at the last (0: none). Each line waits for the device; the rollout
         that follows waits for the update anyway.
+      task: the reward, a key of `TASKS`.
+      matmul_precision: the sampler's and the trainer's dots' precision, as
+        `jax.default_matmul_precision` takes it; None: JAX's default (on a GPU,
+        float32 dots in TF32).
 
     Returns:
       A dict: the final `params`, the `preflight` report (or None), and per step
@@ -572,13 +742,30 @@ def fine_tune(
       `skipped` steps so far and the unscaled gradients' global norm
       (`grad_norm`).
     """
+    if task not in TASKS:
+        raise ValueError(
+            f"task={task!r} is not a task here; use one of {sorted(TASKS)}"
+        )
     compute, scale_spec = PRECISIONS[precision]
-    run = program(compute, learning_rate, prompt_length, *shape_of(params), heads)
+    run = program(
+        compute,
+        learning_rate,
+        prompt_length,
+        *shape_of(params),
+        heads,
+        matmul_precision,
+    )
     opt_state, loss_scale = run.tx.init(params), new_loss_scale(scale_spec)
     data, _ = language_model.corpus()
     stream = prompt_stream(data, prompts, prompt_length, seed)
     draw = functools.partial(
-        rollout, compute=compute, group=group, new_tokens=new_tokens, heads=heads
+        rollout,
+        compute=compute,
+        group=group,
+        new_tokens=new_tokens,
+        heads=heads,
+        task=task,
+        matmul_precision=matmul_precision,
     )
     keys = jax.random.split(jax.random.key(seed), steps)
     batch = draw(params, next(stream), keys[0])
@@ -586,14 +773,15 @@ def fine_tune(
     if run_preflight:
         # Once, before training, on a real batch: what in this program would fail
         # in float16, and where a dynamic scale should start.
-        report = lossscale.preflight(
-            run.loss_fn,
-            params,
-            *batch[:3],
-            optimizer=run.tx,
-            loss_scale=loss_scale,
-            has_aux=True,
-        )
+        with _matmul_precision(matmul_precision):
+            report = lossscale.preflight(
+                run.loss_fn,
+                params,
+                *batch[:3],
+                optimizer=run.tx,
+                loss_scale=loss_scale,
+                has_aux=True,
+            )
         print(f"== preflight, {precision}\n{report}", file=sys.stderr)
         loss_scale = start_scale(loss_scale, report)
     names = ("reward", "loss", "mismatch", "scale", "skipped", "grad_norm")
@@ -641,6 +829,13 @@ def main(argv=None):
         choices=SHORT_NAMES,
         help="the sampler's and the trainer's compute dtype; float16 is float16"
         " with a dynamic loss scale, float16-unscaled without",
+    )
+    parser.add_argument(
+        "--task",
+        default="lipogram",
+        choices=TASKS,
+        help="the reward: "
+        + "; ".join(f"{name}: {text}" for name, text in TASKS.items()),
     )
     parser.add_argument(
         "--pretrain-steps",
@@ -701,6 +896,7 @@ def main(argv=None):
         learning_rate=args.learning_rate,
         heads=args.heads,
         print_every=args.print_every,
+        task=args.task,
     )
     window = max(1, args.steps // 10)
     print(

@@ -7,7 +7,9 @@ float64 sum, the reward and the advantages. The slow test is a short version of
 and a short float16 run with lossscale that must learn.
 """
 
+import collections
 import pathlib
+import re
 import sys
 
 import jax
@@ -96,6 +98,56 @@ def test_the_reward_is_one_exactly_without_the_letter_e():
     ]
     generated = jnp.asarray([list(t) for t in texts], jnp.int32)
     np.testing.assert_array_equal(rl.reward(generated), [1.0, 0.0, 0.0])
+
+
+def words_reference(tokens, prompt_length):
+    """`words_reward` in pure Python: regular expressions over the bytes."""
+    data, _ = rl.language_model.corpus()
+    counts = collections.Counter(
+        w.lower() for w in re.findall(rb"[A-Za-z]+", data.tobytes())
+    )
+    known = {w for w, n in counts.items() if n >= 10 and len(w) >= 2 and b"e" not in w}
+    rewards = []
+    for row in np.asarray(tokens, np.uint8):
+        text = bytes(row[prompt_length - 1 :].tolist())  # one byte of the prompt
+        score, seen = 0.0, set()
+        for m in re.finditer(rb"[A-Za-z]+", text):
+            if m.start() == 0 or m.end() == len(text):  # cut by the prompt, the end
+                continue
+            word = m.group().lower()
+            if b"e" in word:
+                score -= 0.5
+            elif word in known and word not in seen:
+                score += 1.0
+                seen.add(word)
+        rewards.append(score)
+    return np.array(rewards)
+
+
+def test_the_words_reward_scores_whole_words_as_a_python_reference_does():
+    texts = [
+        # prompt (16 bytes) | continuation (32 bytes)
+        b"the prompt says " + b"is of in to if it Is IS xq a E! ",
+        b"...prompt endsIn" + b"to an int, or a list, or python ",
+        b"in the middle of" + b"f the text: spaces at the end   ",
+        b"0123456789abcdef" + b" " * 32,
+        b"words that end i" + b"n pairs: if if if; none, no, NO ",
+    ]
+    rng = np.random.default_rng(0)
+    data, _ = rl.language_model.corpus()
+    starts = rng.integers(0, len(data) - 48, 59)
+    rows = [list(t) for t in texts] + [data[s : s + 48].tolist() for s in starts]
+    tokens = jnp.asarray(rows, jnp.int32)
+    got = np.asarray(rl.words_reward(tokens, 16))
+    want = words_reference(tokens, 16)
+    np.testing.assert_array_equal(got, want)
+    # The crafted rows, by hand. 1: "is of in to if it" +6; "Is", "IS" repeat,
+    # "xq" is no word of the text, "a" too short: 0; "E" -1/2. 2: "to" continues
+    # the prompt's "In": 0; "an int or list python" +5. 3: "f" ends the prompt's
+    # "of": 0; "at" +1; "the text spaces the end" -1/2 each. 4: spaces, 0. 5: "n"
+    # ends the prompt's "in"; "pairs" (not in the text 10 times) 0, "if" +1 once,
+    # "none" -1/2, "no" +1 once.
+    assert got[:5].tolist() == [5.5, 5.0, -1.5, 0.0, 1.5], got[:5]
 
 
 def test_group_advantages_are_normalised_within_each_group():

@@ -7,6 +7,7 @@ the numbers say. No compile here: the runs are numpy columns.
 
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -86,8 +87,69 @@ def test_a_run_that_collapses_departs_where_it_does():
     assert "departs from float32's reward from tenth 7 on (step 120 of 200)" in line
 
 
-def test_a_cut_or_missing_reference_gives_no_comparison():
-    cut = run("float32", 0, noisy(0.8))
+def test_a_missing_reference_gives_no_comparison():
+    lines = rl_long_run.comparisons([run("bfloat16", 0, noisy(0.8))])
+    assert lines == ["No float32 run: no comparison."]
+
+
+def test_a_cut_reference_is_compared_over_the_steps_it_ran():
+    # float32 cut at step 100 of 200; bfloat16 falls to 0.1 from step 150 on,
+    # which float32 did not reach: over the first 100 steps they agree.
+    cut = run("float32", 0, noisy(0.8, steps=100))
     cut["cut"] = True
-    lines = rl_long_run.comparisons([cut, run("bfloat16", 0, noisy(0.8))])
-    assert lines == ["No complete float32 run: no comparison."]
+    level = [0.8] * 150 + [0.1] * 50
+    runs = [cut] + [run("bfloat16", s, noisy(level, seed=s + 1)) for s in (0, 1)]
+    lines = rl_long_run.comparisons(runs)
+    (line,) = [x for x in lines if x.startswith("bfloat16")]
+    assert "over the first 100 steps" in line, line
+    assert "within float32's reward in every tenth" in line, line
+    assert "after 100 steps (cut)" in lines[0], lines
+
+
+def args(**changes):
+    values = {"margin": 0.6, "first_run_allowance": 5.0, "min_steps": 5}
+    return SimpleNamespace(**{"max_steps": 2000, **values, **changes})
+
+
+ORDER = [
+    ("bfloat16", 0),
+    ("float16 + lossscale", 0),
+    ("bfloat16", 1),
+    ("float16 + lossscale", 1),
+    ("float32", 0),
+]
+# The first H200 run's calibration (seconds a step).
+PER_STEP = {"bfloat16": 0.0161, "float16 + lossscale": 0.0185, "float32": 0.0321}
+
+
+def test_the_plan_fills_the_time_left_with_the_margin():
+    steps, need = rl_long_run.plan(85.0, PER_STEP, ORDER, 3.0, args())
+    total = sum(need[p] for p, _ in ORDER) + 5.0
+    # The largest step count whose runs, at 1.6x the calibration's pace, fit.
+    assert total <= 85.0, (steps, total)
+    one_more = total + 1.6 * sum(PER_STEP[p] for p, _ in ORDER)
+    assert one_more > 85.0, (steps, one_more)
+    assert need["float32"] == pytest.approx(steps * 0.0321 * 1.6 + 3.0)
+    # Without time, the minimum; never more than the maximum.
+    assert rl_long_run.plan(1.0, PER_STEP, ORDER, 3.0, args())[0] == 5
+    assert rl_long_run.plan(1e6, PER_STEP, ORDER, 3.0, args())[0] == 2000
+
+
+def test_each_run_leaves_the_later_runs_their_time():
+    need = {"bfloat16": 10.0, "float16 + lossscale": 12.0, "float32": 20.0}
+    deadlines = [
+        rl_long_run.deadline_of(k, ORDER, need, 100.0) for k in range(len(ORDER))
+    ]
+    # bfloat16 0 must end by 100 - (12 + 10 + 12 + 20); float32, last, by 100.
+    assert deadlines == [46.0, 58.0, 68.0, 80.0, 100.0]
+
+
+def test_the_files_are_named_by_the_gpus_model():
+    names = {
+        "NVIDIA H200": "h200",
+        "NVIDIA H100 80GB HBM3": "h100",
+        "NVIDIA A100-SXM4-80GB": "a100",
+        "NVIDIA GeForce RTX 4090": "4090",
+    }
+    for kind, name in names.items():
+        assert rl_long_run.device_name(kind) == name, kind
