@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_run.sh                 # on the GPU
 #   SIZES=1M STEPS=3 LM_STEPS=20 QUICK=1 bash benchmarks/gpu_run.sh   # a CPU smoke run
+#   STAGES="optimizer_step train_step kernels" bash benchmarks/gpu_run.sh  # some stages
 #
 # Peers the machine lacks (Keras 3, mpx) come as wheels in .whl/, if present.
 #
@@ -48,7 +49,14 @@ PY=${PY:-python3}
 SIZES=${SIZES:-10M,50M}
 STEPS=${STEPS:-20}
 LM_STEPS=${LM_STEPS:-500}
-device=$($PY -c "import jax; print(jax.devices()[0].device_kind.split()[-1].lower() if jax.default_backend() == 'gpu' else 'cpu')")
+# The GPU's model, as the results' names give it ("NVIDIA H100 80GB HBM3": h100).
+device=$($PY -c "
+import re, jax
+kind = jax.devices()[0].device_kind.lower() if jax.default_backend() == 'gpu' else 'cpu'
+model = re.search(r'\b[a-z]\d{2,4}\b', kind)
+print(model.group(0) if model else kind.split()[-1])")
+# Which stages run, in this order (default: all but the kernels' attribution).
+STAGES=${STAGES:-optimizer_step train_step language_model}
 echo "device: $device"
 
 # A smoke test first: if lossscale breaks on this JAX, say so at once.
@@ -72,6 +80,7 @@ EOF
 run() {  # run LIMIT NAME COMMAND...: one stage, its output in the log
     local limit=$1 name=$2
     shift 2
+    case " $STAGES " in *" $name "*) ;; *) return ;; esac
     echo "== $name ($(date +%T))"
     timeout "$limit" "$@"
     echo "== $name: exit $? ($(date +%T))"
@@ -87,6 +96,9 @@ run "${TRAIN_LIMIT:-60}" train_step $PY benchmarks/train_step.py \
     --models "${TRAIN_MODELS:-mlp-large}" --steps 10 \
     --variants "wrap,apply_gradients,TrainState,Flax,Keras" \
     --out "$OUT/train_step_large_$device"
+run "${KERNELS_LIMIT:-60}" kernels $PY benchmarks/kernels.py \
+    --size "${KERNELS_SIZE:-50M}" --variants "apply_gradients,wrap(tx), dynamic" \
+    --out "$OUT/kernels_$device"
 run "${LM_LIMIT:-190}" language_model $PY benchmarks/language_model.py \
     --width "${LM_WIDTH:-512}" --layers "${LM_LAYERS:-8}" --heads 8 \
     --context 256 --batch "${LM_BATCH:-128}" --learning-rate 1e-3 \
