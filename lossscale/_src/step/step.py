@@ -128,12 +128,12 @@ def guarded_step(
         if options.clip_norm is not None:
             grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
         new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
-        updates = _rounded(new.updates, zero)
         if apply_updates:  # the fp8 values are kept by a skipped step too
+            updates = _rounded(new.updates, zero)
             added = optax.apply_updates(params, updates)
             return (updates, added), (new.carry, new.fp8)
         # The fp8 values as what `optax.apply_updates` adds to the old ones.
-        return (updates, fp8.differences(new.fp8, old)), new.carry
+        return (new.updates, fp8.differences(new.fp8, old)), new.carry
 
     values = unscaling.values_to_check(split.grads, loss_scale, split.params)
     checked = finite.check(
@@ -149,13 +149,10 @@ def guarded_step(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
     kept = (carry, split.old) if apply_updates else carry
-    # -0.0 on an applied step, where the CPU form's cond adds the updates and
-    # reads it as a value XLA cannot see (`_rounded`). Elsewhere the updates
-    # cross the skip, as `wrap`'s caller gets them, and a constant is given,
-    # which XLA folds away with its add.
-    zero = jnp.float32(-0.0)
-    if apply_updates:
-        zero = jnp.where(applied, zero, jnp.float32(0.0))
+    # -0.0 on an applied step, which the CPU form's cond reads as a value XLA
+    # cannot see (`_rounded`); the select forms get a constant, which XLA folds
+    # away with its adds.
+    zero = jnp.where(applied, jnp.float32(-0.0), jnp.float32(0.0))
     operands = (split.grads, split.params, kept, norm, zero)
     # Traced once: each backend's form is built from its jaxpr (`split`).
     jitted = jax.jit(applied_step)
@@ -218,15 +215,15 @@ def guarded_step(
     return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
 
 
-def _rounded(updates: Any, zero: jax.Array) -> Any:
-    """The updates, each rounded on its own wherever it is added to a parameter.
+def _rounded(tree: Any, zero: jax.Array) -> Any:
+    """`tree`'s values, each rounded on its own wherever it is added to another.
 
-    XLA fuses an add into the multiply before it as one rounding (an FMA), so
-    `p + u` gives other bits where `u` is computed in the add's kernel than where
-    it was written out first. `u + zero`, with `zero` a -0.0 known only at run
-    time, is `u` for every `u`, and it is that add the multiply fuses into: the
-    add of `u` to `p` then rounds alone, wherever it is and whatever XLA fuses
-    (design.md, "Where the update crosses the skip").
+    XLA:CPU fuses an add into the multiply before it as one rounding (an FMA),
+    so `p + u` gives other bits where `u` is computed in the add's kernel than
+    where it was written out first. `u + zero`, with `zero` a -0.0 known only at
+    run time, is `u` for every `u`, and it is that add the multiply fuses into:
+    the add of `u` to `p` then rounds alone, whatever XLA fuses (design.md,
+    "Where the update crosses the skip").
     """
 
     def rounded(u):
@@ -237,7 +234,7 @@ def _rounded(updates: Any, zero: jax.Array) -> Any:
             return jax.lax.complex(jnp.real(u) + z, jnp.imag(u) + z)
         return u + z
 
-    return jax.tree.map(rounded, updates, is_leaf=lambda x: x is None)
+    return jax.tree.map(rounded, tree, is_leaf=lambda x: x is None)
 
 
 def _inner(closed: Any) -> Any:
