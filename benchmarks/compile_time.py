@@ -39,7 +39,10 @@ import time
 import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-if any(arg.startswith("--target") for arg in sys.argv) and "cpu" not in sys.argv:
+_given = [a for i, a in enumerate(sys.argv) if sys.argv[i - 1] == "--target"] + [
+    a.split("=", 1)[1] for a in sys.argv if a.startswith("--target=")
+]
+if _given and _given[-1] != "cpu":  # `--clock cpu` is not a target
     # Compiled for a device this machine need not have: no driver or chip is
     # looked for, which must be said before JAX is imported (as compiled.py).
     os.environ["JAX_PLATFORMS"] = "cpu"
