@@ -1,6 +1,9 @@
 """Test configuration and fixtures: eight CPU devices, deterministic hypothesis runs."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Eight simulated CPU devices for the multi-device tests; set before JAX starts.
 # Other tests use the default device and are unaffected.
@@ -9,6 +12,27 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}"
 
 import jax  # noqa: E402
+
+# Compiling is most of the suite's time, and about one program in six is one the
+# same process compiled before (another test's step, a docs block's, a parametrized
+# copy). Each test process keeps what it compiles in a persistent cache of its own:
+# a fresh directory, deleted at exit, so every run starts cold, as CI's does, and no
+# run depends on another. The xdist workers do not share one: JAX writes an entry in
+# place, and a worker could read another's half-written file. A hit is the
+# executable XLA made for the same program (JAX's key: the program without its
+# source locations, the compile options, the devices, the versions): the same
+# results bit for bit. jit's own caches (`_cache_size`, "compiles once") are not
+# this one; a test counting compilations counts the cache's reads too
+# (test_flax_examples.py). LOSSSCALE_TESTS_JAX_CACHE=0 turns it off (to rule it out
+# when a test fails). Set before anything compiles: JAX decides once whether to use
+# it.
+if os.environ.get("LOSSSCALE_TESTS_JAX_CACHE", "1") != "0":
+    _JAX_CACHE = tempfile.mkdtemp(prefix="lossscale-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _JAX_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from helpers import DEVICES  # noqa: E402
