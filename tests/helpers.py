@@ -299,15 +299,26 @@ def python_blocks(text):
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
+# The namespace a block left, while the next block continues it: the test of that
+# block takes it over instead of running the blocks before it again (each of those
+# ran, and had its prints checked, in its own test). Taken, not copied: the next
+# block runs on it as a reader's session would.
+_LEFT_FOR_NEXT = {}
+
+
 def run_block(blocks, index, name):
     """Runs `blocks[index]` (after the blocks it continues); checks its prints."""
-    namespace = {"__name__": "__main__"}  # as a script would run it
-    start = index
-    while start > 0 and blocks[start].startswith(CONTINUES):
-        start -= 1
-    with contextlib.redirect_stdout(io.StringIO()):
-        for earlier in range(start, index):
-            exec(compile(blocks[earlier], f"{name}[{earlier}]", "exec"), namespace)
+    namespace = None
+    if index and blocks[index].startswith(CONTINUES):
+        namespace = _LEFT_FOR_NEXT.pop((name, index - 1, blocks[index - 1]), None)
+    if namespace is None:
+        namespace = {"__name__": "__main__"}  # as a script would run it
+        start = index
+        while start > 0 and blocks[start].startswith(CONTINUES):
+            start -= 1
+        with contextlib.redirect_stdout(io.StringIO()):
+            for earlier in range(start, index):
+                exec(compile(blocks[earlier], f"{name}[{earlier}]", "exec"), namespace)
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         exec(compile(blocks[index], f"{name}[python block {index}]", "exec"), namespace)
@@ -319,3 +330,5 @@ def run_block(blocks, index, name):
     printed = output.getvalue().split("\n")
     for want, got in zip(expected, printed, strict=False):
         assert got.strip() == want, (name, index)
+    if index + 1 < len(blocks) and blocks[index + 1].startswith(CONTINUES):
+        _LEFT_FOR_NEXT[name, index, blocks[index]] = namespace
