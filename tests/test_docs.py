@@ -19,22 +19,16 @@ import lossscale.flax
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
-# A page's blocks run on one xdist worker, in order (pyproject: `--dist loadgroup`),
-# so that a block that continues another takes over the namespace the other's test
-# left (`run_block`) instead of running the blocks before it again.
 EXAMPLES = [
-    pytest.param(
-        page,
-        index,
-        id=f"{page.relative_to(DOCS)}-{index}",
-        marks=pytest.mark.xdist_group(f"docs/{page.relative_to(DOCS)}"),
-    )
+    (page, index)
     for page in PAGES
     for index in range(len(python_blocks(page.read_text())))
 ]
 
 
-@pytest.mark.parametrize("page, index", EXAMPLES)
+@pytest.mark.parametrize(
+    "page, index", EXAMPLES, ids=[f"{p.relative_to(DOCS)}-{i}" for p, i in EXAMPLES]
+)
 def test_every_example_runs_and_prints_what_it_says(page, index):
     blocks = python_blocks(page.read_text())
     assert index or not blocks[0].startswith(CONTINUES)

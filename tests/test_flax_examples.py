@@ -29,10 +29,7 @@ from jax.sharding import PartitionSpec as P
 import lossscale
 import lossscale.flax
 
-# Each test compiles two pmapped or sharded models; one xdist worker runs them all
-# (pyproject: `--dist loadgroup`), so that a program another test of this file
-# compiled comes from the tests' compilation cache (conftest.py).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flax_examples")]
+pytestmark = pytest.mark.slow  # each test compiles two pmapped or sharded models
 
 DEVICES = 2
 GROWTH_INTERVAL = 2  # DynamicScale's; small, so that the runs grow as well as back off

@@ -20,9 +20,6 @@ def test_readme_continuations_follow_a_block():
     assert not BLOCKS[0].startswith(CONTINUES)
 
 
-# One xdist worker runs them in order: a continuing block takes over the namespace
-# (`run_block`; test_docs.py).
-@pytest.mark.xdist_group("README.md")
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs_and_prints_its_comment(index):
     run_block(BLOCKS, index, "README.md")
