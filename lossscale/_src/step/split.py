@@ -68,7 +68,7 @@ def plan(
     """
     jaxpr = closed.jaxpr
     if any(eqn.effects for eqn in jaxpr.eqns):
-        return (_part(jaxpr, tuple(positions), all_equations=True),)
+        return _parts(jaxpr, [tuple(positions)], all_equations=True)
     groups: dict[Any, list[int]] = {}
     owners = _owners(jaxpr.eqns)
     for k in positions:
@@ -82,7 +82,7 @@ def plan(
         batch += group
     if batch:
         parts.append(batch)
-    return tuple(_part(jaxpr, tuple(sorted(part))) for part in parts)
+    return _parts(jaxpr, [tuple(sorted(part)) for part in parts])
 
 
 def call(closed: Any, args: Sequence[Any]) -> list[Any]:
@@ -108,7 +108,7 @@ def select(
         (k, i) for k, i in outputs if i is None or jaxpr.outvars[k] is not places[i]
     ]
     effects = any(eqn.effects for eqn in jaxpr.eqns)
-    part = _part(jaxpr, tuple(k for k, _ in taken), all_equations=effects)
+    (part,) = _parts(jaxpr, [tuple(k for k, _ in taken)], all_equations=effects)
     called = call(part.jaxpr, [values[i] for i in part.held])
     new = dict(zip(part.positions, called, strict=True))
     zeros = _ZerosOf()
@@ -249,17 +249,49 @@ def _owners(eqns: Sequence[Any]) -> Any:
     return lambda v: root(owner[v]) if isinstance(v, jcore.Var) and v in owner else None
 
 
-def _part(jaxpr: Any, positions: tuple[int, ...], all_equations: bool = False) -> Part:
-    """The part giving the outputs at `positions`: the equations they depend on."""
+def _parts(
+    jaxpr: Any, groups: Sequence[tuple[int, ...]], all_equations: bool = False
+) -> tuple[Part, ...]:
+    """The part giving each group of outputs: the equations they depend on.
+
+    One pass over the equations, last to first, whatever the number of parts
+    (a step of thousands of leaves has thousands of equations and tens of parts).
+    """
     places = [*jaxpr.constvars, *jaxpr.invars]
-    needed = set(_vars(jaxpr.outvars[k] for k in positions))
-    eqns = []
+    everyone = frozenset(range(len(groups)))
+    needed: dict[Any, set[int]] = {}  # a variable: the parts that read it
+    for n, positions in enumerate(groups):
+        for v in _vars(jaxpr.outvars[k] for k in positions):
+            needed.setdefault(v, set()).add(n)
+    eqns: list[list[Any]] = [[] for _ in groups]
     for eqn in reversed(jaxpr.eqns):
-        if all_equations or any(v in needed for v in _vars(eqn.outvars)):
-            eqns.append(eqn)
-            needed.update(_vars(eqn.invars))
-    eqns.reverse()
-    held = tuple(i for i, v in enumerate(places) if v in needed)
+        if all_equations:
+            readers: set[int] | frozenset[int] = everyone
+        else:
+            readers = set()
+            for v in _vars(eqn.outvars):
+                readers |= needed.get(v, set())
+            if not readers:
+                continue
+        for n in readers:
+            eqns[n].append(eqn)
+        for v in _vars(eqn.invars):
+            needed.setdefault(v, set()).update(readers)
+    held: list[list[int]] = [[] for _ in groups]
+    for i, v in enumerate(places):
+        for n in needed.get(v, ()):
+            held[n].append(i)
+    return tuple(
+        _part(jaxpr, positions, tuple(held[n]), eqns[n][::-1])
+        for n, positions in enumerate(groups)
+    )
+
+
+def _part(
+    jaxpr: Any, positions: tuple[int, ...], held: tuple[int, ...], eqns: list[Any]
+) -> Part:
+    """The part of `jaxpr` that runs `eqns` from the inputs at `held`."""
+    places = [*jaxpr.constvars, *jaxpr.invars]
     effects = frozenset().union(*(eqn.effects for eqn in eqns))
     outvars = [jaxpr.outvars[k] for k in positions]
     debug = jcore.DebugInfo(
