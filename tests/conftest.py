@@ -33,6 +33,7 @@ if os.environ.get("LOSSSCALE_TESTS_JAX_CACHE", "1") != "0":
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
+import helpers  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from helpers import DEVICES  # noqa: E402
@@ -42,15 +43,18 @@ from hypothesis import settings  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 # Examples are fixed per run (no flaky CI); jit compiles make timing deadlines moot.
-# 20 a test keeps the suite in its 10 minutes (each example compiles); a longer
-# search: LOSSSCALE_HYPOTHESIS_EXAMPLES=200 python -m pytest -m "not slow".
-settings.register_profile(
-    "lossscale",
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-    max_examples=int(os.environ.get("LOSSSCALE_HYPOTHESIS_EXAMPLES", "20")),
-)
+# Each example compiles: the whole suite tries 20 a test (or the count a test sets,
+# through `helpers.examples`), the quick loop (`-m "not slow"`) the first half of
+# them. A longer search: LOSSSCALE_HYPOTHESIS_EXAMPLES=200 python -m pytest.
+_EXAMPLES = os.environ.get("LOSSSCALE_HYPOTHESIS_EXAMPLES")
+for _name, _examples in (("lossscale", 20), ("lossscale-quick", 10)):
+    settings.register_profile(
+        _name,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+        max_examples=int(_EXAMPLES or _examples),
+    )
 settings.load_profile("lossscale")
 
 # A user's code for the type checkers (test_typing.py), not tests: never imported.
@@ -67,6 +71,12 @@ _LONGEST_FIRST = (
     "test_multiprocess.py",
     "test_flax_examples.py",
 )
+
+
+def pytest_configure(config):
+    if config.option.markexpr.replace(" ", "") == "notslow" and not _EXAMPLES:
+        settings.load_profile("lossscale-quick")
+        helpers.QUICK_LOOP = True
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,6 +18,15 @@ import orbax.checkpoint as ocp
 import lossscale
 import lossscale.flax
 
+# Set by conftest.py when the run is the quick loop (`-m "not slow"`).
+QUICK_LOOP = False
+
+
+def examples(count):
+    """A hypothesis test's examples: `count` in the whole suite, half in the quick
+    loop (each example compiles; the quick loop tries the first half of them)."""
+    return max(count // 2, 1) if QUICK_LOOP else count
+
 
 def scaled_loss_step(tx, loss_fn):
     """A jitted train step: gradients of the scaled `loss_fn(p, x, y)`, then `tx`."""

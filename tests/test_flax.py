@@ -22,6 +22,7 @@ from flax.training.dynamic_scale import DynamicScale
 from helpers import LinenMLP
 from helpers import bitwise_equal
 from helpers import cross_entropy
+from helpers import examples
 from helpers import linen_state
 from helpers import linen_step
 from helpers import linen_step_fn
@@ -455,7 +456,7 @@ def test_a_spec_put_in_place_of_the_state_is_a_clear_error():
         tx.update(jnp.ones(2), opt_state, jnp.ones(2))
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(
     flags=st.lists(st.booleans(), min_size=1, max_size=40),
     growth_interval=st.integers(1, 4),

@@ -38,10 +38,12 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     flags = os.environ.get("XLA_FLAGS", "")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
     monkeypatch.setenv("XLA_FLAGS", flags.strip())
-    # flax_float16 trains 4 seeds x 1000 steps x 3 runs, the suite's largest cost:
-    # two seeds (0 and 1) halve it. Its checks still compare the mean accuracy over
-    # the seeds run (float16 scaled against float32: +0.022 over seeds 0-1).
-    monkeypatch.setenv("LOSSSCALE_NOTEBOOK_SEEDS", "2")
+    # flax_float16 trains 4 seeds x 1000 steps x 3 runs, the suite's largest cost;
+    # its claim (float16 with lossscale trains as float32 does where float16 alone
+    # does not) is the demo's, which test_demo.py checks. One seed (0) runs the
+    # notebook's every cell and check at a quarter of the cost (float16 scaled
+    # against float32 at seed 0: 0.933 against 0.919; unscaled float16 0.078).
+    monkeypatch.setenv("LOSSSCALE_NOTEBOOK_SEEDS", "1")
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         notebook,

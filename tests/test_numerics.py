@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import examples
 from helpers import tree_equal
 from hypothesis import given
 from hypothesis import settings
@@ -93,14 +94,15 @@ def small_leaf_trees(draw):
     return {f"p{i}": jnp.asarray(leaf) for i, leaf in enumerate(leaves)}
 
 
-# Each example compiles a step: fewer than the suite's default, for the quick loop.
-@settings(max_examples=15)
+# Each example compiles a step: fewer than the suite's default.
+@settings(max_examples=examples(15))
 @given(small_leaf_trees())
 def test_grouped_check_agrees_with_numpy(tree):
-    assert bool(lossscale.all_finite(tree)) == numpy_all_finite(tree)
+    # Jitted: one compile an example, where op by op each example compiles ~10.
+    assert bool(jax.jit(lossscale.all_finite)(tree)) == numpy_all_finite(tree)
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(small_leaf_trees())
 def test_grouped_clip_norm_agrees_with_optax(grads):
     grads = {k: v.astype(jnp.float32) for k, v in grads.items()}
@@ -108,9 +110,9 @@ def test_grouped_clip_norm_agrees_with_optax(grads):
         return  # the norm of a non-finite tree is not compared; it skips
     params = jax.tree.map(jnp.zeros_like, grads)
     wrapped = lossscale.wrap(optax.sgd(1.0), lossscale.NoOpLossScale(), clip_norm=1.0)
-    updates, _ = wrapped.update(grads, wrapped.init(params), params)
+    updates, _ = jax.jit(wrapped.update)(grads, wrapped.init(params), params)
     reference = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
-    expected, _ = reference.update(grads, reference.init(params), params)
+    expected, _ = jax.jit(reference.update)(grads, reference.init(params), params)
     for got, want in zip(
         jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True
     ):
@@ -130,7 +132,7 @@ def numpy_first_nonfinite(leaves):
     return -1
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(small_leaf_trees(), st.sampled_from(sorted(FORMS)), st.booleans(), st.booleans())
 def test_every_backend_form_finds_what_numpy_finds(tree, form, square, complex_leaf):
     leaves = jax.tree.leaves(tree)

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import examples
 from hypothesis import given
 from hypothesis import settings
 from jax.sharding import PartitionSpec as P
@@ -53,7 +54,7 @@ def trees(draw):
     return leaves
 
 
-@settings(max_examples=25)  # a compile each
+@settings(max_examples=examples(25))  # a compile each
 @given(trees())
 def test_the_index_is_the_first_non_finite_leaf_as_numpy_finds_it(leaves):
     grads = {f"g{i:02d}": leaf for i, leaf in enumerate(leaves)}
