@@ -112,7 +112,13 @@ def mesh():
     return Mesh(np.array(DEVICES[:8]), ("data",))
 
 
-@pytest.fixture(params=["cpu", "gpu", "tpu"], ids=lambda name: f"{name}-form")
+# The TPU's form of each test runs in the whole suite; the quick loop runs the CPU's
+# and XLA:GPU's (the same select, with the stacked check), and the TPU's per-leaf
+# check in test_numerics.py's forms test and the catalogue's quick subset.
+@pytest.fixture(
+    params=["cpu", "gpu", pytest.param("tpu", marks=pytest.mark.slow)],
+    ids=lambda name: f"{name}-form",
+)
 def backend_form(request, monkeypatch):
     """Runs the test with the step in the form lowered for that backend.
 
