@@ -1,0 +1,58 @@
+"""XLA:CPU's skip, split into parts (`step/split.py`), against its definition.
+
+A part holds every equation its outputs depend on and reads the inputs those
+equations read, in the step's order. `split.plan` finds all parts in one pass over
+the step; the reference here walks the step once per part, as the definition reads.
+"""
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import optax
+
+from lossscale._src.step import split
+
+
+def reference_part(jaxpr, positions):
+    """The equations the outputs at `positions` depend on, and the inputs they read."""
+    needed = {v for v in (jaxpr.outvars[k] for k in positions) if _is_var(v)}
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars if _is_var(v)):
+            eqns.append(eqn)
+            needed.update(v for v in eqn.invars if _is_var(v))
+    places = [*jaxpr.constvars, *jaxpr.invars]
+    return eqns[::-1], tuple(i for i, v in enumerate(places) if v in needed)
+
+
+def _is_var(v):
+    return isinstance(v, jcore.Var)
+
+
+def test_each_part_holds_what_its_outputs_depend_on_and_scalars_are_copied():
+    # Adam on a schedule (scalars from the count, read by every leaf's part), a
+    # scalar parameter, and parts of at most 6 outputs: many parts.
+    params = {f"w{i}": jnp.full((4, 3), 0.1 * i) for i in range(12)}
+    params["t"] = jnp.float32(1.0)
+    tx = optax.adam(optax.cosine_decay_schedule(1e-2, 100))
+    closed = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+    jaxpr = closed.jaxpr
+    outputs = range(len(jaxpr.outvars))
+    parts = split.plan(closed, outputs, part_outputs=6)
+
+    assert len(parts) > 4, len(parts)
+    assert sorted(k for part in parts for k in part.positions) == list(outputs)
+    for part in parts:
+        eqns, held = reference_part(jaxpr, part.positions)
+        assert [id(e) for e in part.jaxpr.jaxpr.eqns] == [id(e) for e in eqns]
+        assert part.held == held
+        places = [*jaxpr.constvars, *jaxpr.invars]
+        assert part.jaxpr.jaxpr.invars == [places[i] for i in held]
+    # Equations on scalars (the schedule, the bias corrections) run in each part
+    # that reads them; no other equation is in two parts.
+    counts = {}
+    for part in parts:
+        for eqn in part.jaxpr.jaxpr.eqns:
+            counts[id(eqn)] = (counts.get(id(eqn), (0, eqn))[0] + 1, eqn)
+    shared = [eqn for n, eqn in counts.values() if n > 1]
+    assert shared and all(split._on_scalars(eqn) for eqn in shared)
