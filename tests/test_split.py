@@ -9,6 +9,7 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
+from lossscale._src.step import inline
 from lossscale._src.step import split
 
 
@@ -65,3 +66,51 @@ def test_each_part_holds_what_its_outputs_depend_on_and_scalars_are_copied():
             counts[id(eqn)] = (counts.get(id(eqn), (0, eqn))[0] + 1, eqn)
     shared = [eqn for n, eqn in counts.values() if n > 1]
     assert shared and all(split._on_scalars(eqn) for eqn in shared)
+
+
+@jax.jit
+def _corrected(moments, count):
+    # A jitted map over the whole tree, as optax's `tree_bias_correction` is from
+    # jax 0.12's optax on: one equation that gives every leaf.
+    correction = 1 - 0.9 ** (count + 1).astype(jnp.float32)
+    return {k: m / correction for k, m in moments.items()}, moments, 2.0
+
+
+def jitted_step(params, moments, count):
+    # The jitted map called twice alike: both calls hold one traced body.
+    first, same, _ = _corrected(moments, count)
+    second, _, constant = _corrected(moments, count)
+    return (
+        {k: p - 0.01 * first[k] * second[k] for k, p in params.items()},
+        same,
+        constant,
+    )
+
+
+def test_calls_over_the_tree_are_inlined_into_parts():
+    params = {f"w{i}": jnp.full((4, 3), 0.1 * i) for i in range(12)}
+    moments = jax.tree.map(lambda p: p + 1, params)
+    args = (params, moments, jnp.int32(3))
+    closed = jax.make_jaxpr(jitted_step)(*args)
+    outputs = range(len(closed.jaxpr.outvars))
+    assert len(split.plan(closed, outputs, part_outputs=2)) == 1  # one call joins
+
+    inlined = inline.inlined(closed)
+    jcore.check_jaxpr(inlined.jaxpr)
+    defined = [v for e in inlined.jaxpr.eqns for v in e.outvars if _is_var(v)]
+    defined = [v for v in defined if not isinstance(v, jcore.DropVar)]
+    assert len(set(defined)) == len(defined)  # the body's two calls renamed apart
+    assert not any(inline.joins(eqn) for eqn in inlined.jaxpr.eqns)
+    places = [*inlined.jaxpr.constvars, *inlined.jaxpr.invars]
+    assert places == [*closed.jaxpr.constvars, *closed.jaxpr.invars]
+    # The moments come back as they went in: the step's own inputs, by identity.
+    moment_places = places[len(params) : 2 * len(params)]
+    assert inlined.jaxpr.outvars[len(params) : 2 * len(params)] == moment_places
+    assert len(split.plan(inlined, outputs, part_outputs=2)) >= 6
+    # The same values, bit for bit: the same program, to XLA, which inlines calls.
+    flat = jax.tree.leaves(args)
+    expected = jax.jit(jcore.jaxpr_as_fun(closed))(*flat)
+    got = jax.jit(jcore.jaxpr_as_fun(inlined))(*flat)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert jnp.array_equal(a, b), (a, b)

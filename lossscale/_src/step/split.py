@@ -34,6 +34,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core.primitives import cond_p
 
+from lossscale._src.step import inline
+
 # The most outputs a part's cond carries (a parameter and Adam's moments of 64
 # leaves): XLA:CPU's compile time grows faster than linearly in them.
 PART_OUTPUTS = 192
@@ -127,6 +129,7 @@ def conds(
     closed: Any, values: Sequence[Any], applied: jax.Array, outputs: Sequence[Output]
 ) -> list[Any]:
     """`select`'s results, with each part of the step under a `lax.cond`."""
+    closed = inline.inlined(closed)
     jaxpr = closed.jaxpr
     places = inputs(closed)
     kept = dict(outputs)
