@@ -152,17 +152,26 @@ def underflow_share(params: Any, dtype: Any, loss_scale: Any, x, y) -> float:
     the scale the run ended with.
     """
 
-    def grads_for(dtype, loss_scale):
-        _, grads = lossscale.value_and_grad(loss_fn)(loss_scale, params, x, y, dtype)
-        return lossscale.unscale_grads(grads, loss_scale)
+    @jax.jit
+    def counts(params, loss_scale, x, y):
+        # One program: op by op, the two gradients and the counts compile ~100
+        # small programs, several seconds of a short run.
+        def grads_for(dtype, loss_scale):
+            _, grads = lossscale.value_and_grad(loss_fn)(
+                loss_scale, params, x, y, dtype
+            )
+            return jax.tree.leaves(lossscale.unscale_grads(grads, loss_scale))
 
-    exact = jax.tree.leaves(grads_for(jnp.float32, lossscale.NoOpLossScale()))
-    low = jax.tree.leaves(grads_for(dtype, loss_scale))
-    nonzero = sum(int(jnp.count_nonzero(g)) for g in exact)
-    lost = sum(
-        int(jnp.sum((exact_leaf != 0) & (low_leaf == 0)))
-        for exact_leaf, low_leaf in zip(exact, low, strict=True)
-    )
+        exact = grads_for(jnp.float32, lossscale.NoOpLossScale())
+        low = grads_for(dtype, loss_scale)
+        nonzero = sum(jnp.count_nonzero(g) for g in exact)
+        lost = sum(
+            jnp.sum((exact_leaf != 0) & (low_leaf == 0))
+            for exact_leaf, low_leaf in zip(exact, low, strict=True)
+        )
+        return nonzero, lost
+
+    nonzero, lost = (int(n) for n in counts(params, loss_scale, x, y))
     return lost / max(nonzero, 1)
 
 
