@@ -45,7 +45,7 @@ def joins(eqn: Any) -> bool:
 def _spliced(
     eqns: Sequence[Any], renamed: dict[Any, Any], fresh: bool = False
 ) -> list[Any]:
-    """`eqns`, calls that join (`_joins`) replaced by their bodies' equations.
+    """`eqns`, calls that join (`joins`) replaced by their bodies' equations.
 
     `renamed` maps a variable to the atom that stands for it: a call's outputs
     to what its body gives, and with `fresh` (a body's equations) each output
