@@ -8,6 +8,7 @@ the step; the reference here walks the step once per part, as the definition rea
 import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
+import pytest
 
 from lossscale._src.step import inline
 from lossscale._src.step import split
@@ -70,8 +71,8 @@ def test_each_part_holds_what_its_outputs_depend_on_and_scalars_are_copied():
 
 @jax.jit
 def _corrected(moments, count):
-    # A jitted map over the whole tree, as optax's `tree_bias_correction` is from
-    # jax 0.12's optax on: one equation that gives every leaf.
+    # A jitted map over the whole tree, as optax's `tree_bias_correction` is (on
+    # jax 0.12 one equation until lowering): one equation that gives every leaf.
     correction = 1 - 0.9 ** (count + 1).astype(jnp.float32)
     return {k: m / correction for k, m in moments.items()}, moments, 2.0
 
@@ -114,3 +115,37 @@ def test_calls_over_the_tree_are_inlined_into_parts():
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert jnp.array_equal(a, b), (a, b)
+
+
+def _two(x, y):
+    return x * 2.0, y * 3.0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(
+            lambda: jax.jit(_two, out_shardings=_one_device()), id="shardings"
+        ),
+        pytest.param(
+            lambda: jax.jit(_two, inline=jax.Inline.XLA_LATE),
+            id="xla-late",
+            marks=pytest.mark.skipif(
+                not hasattr(jax, "Inline"), reason="jax.Inline: jax 0.12 on"
+            ),
+        ),
+    ],
+)
+def test_calls_that_xla_would_not_inline_alike_stay_calls(call):
+    # Spliced, a call's own shardings would be lost, and a call that XLA inlines
+    # after fusion would fuse with its neighbours: other bits.
+    x = jnp.arange(4.0)
+    closed = jax.make_jaxpr(lambda a, b: call()(a, b))(x, x + 1)
+    (eqn,) = closed.jaxpr.eqns
+    assert eqn.primitive.name in ("jit", "pjit")
+    assert not inline.joins(eqn)
+    assert inline.inlined(closed) is closed
+
+
+def _one_device():
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])

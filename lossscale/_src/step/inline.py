@@ -13,13 +13,16 @@ import jax.extend.core as jcore
 
 
 def inlined(closed: Any) -> Any:
-    """`closed` with the body of each `jit` equation that gives several arrays.
+    """`closed` with the body of each plain `jit` call that gives several values.
 
-    Optax jits some updates over the whole tree (`tree_bias_correction`, from
-    jax 0.12's optax on): as one equation, it would join every leaf's part into
-    one. Its body is a map over the leaves, which the parts then split. The same
-    program to XLA, which inlines the calls it is given. The step's inputs keep
-    their places; an output may become another variable, or a literal.
+    From jax 0.12 on, a call jitted with `inline=True` (optax's
+    `tree_bias_correction`, over the whole tree) stays one equation until
+    lowering, where jax 0.10 inlined it while tracing: as one equation, it
+    would join every leaf's part into one. Its body is a map over the leaves,
+    which the parts then split. Only calls whose inlining XLA would do itself
+    before fusing are spliced (`joins`), so XLA compiles the same program. The
+    step's inputs keep their places; an output may become another variable, or
+    a literal.
     """
     jaxpr = closed.jaxpr
     if not any(joins(eqn) for eqn in jaxpr.eqns):
@@ -31,14 +34,25 @@ def inlined(closed: Any) -> Any:
 
 
 def joins(eqn: Any) -> bool:
-    """Whether `eqn` is a call (`jit`) that gives more than one array."""
-    body = eqn.params.get("jaxpr")
+    """Whether `eqn` is a plain `jit` call that gives more than one value.
+
+    Plain: no effects (they keep their order as one equation), no constants (they
+    would move the step's inputs), no shardings or layouts of its own
+    (spliced, they would be lost), and not inlined by XLA after fusion
+    (`jax.Inline.XLA_LATE`: spliced, XLA would fuse across it, other bits).
+    """
+    params = eqn.params
+    body = params.get("jaxpr")
+    if eqn.primitive.name not in ("jit", "pjit") or eqn.effects or len(eqn.outvars) < 2:
+        return False
+    if not isinstance(body, jcore.ClosedJaxpr) or body.consts:
+        return False
+    shardings = (*params.get("in_shardings", ()), *params.get("out_shardings", ()))
+    layouts = (*params.get("in_layouts", ()), *params.get("out_layouts", ()))
     return (
-        eqn.primitive.name in ("jit", "pjit")
-        and not eqn.effects
-        and isinstance(body, jcore.ClosedJaxpr)
-        and not body.consts
-        and sum(getattr(v.aval, "shape", ()) != () for v in eqn.outvars) > 1
+        all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
+        and all(layout is None for layout in layouts)
+        and getattr(params.get("inline"), "name", None) != "XLA_LATE"
     )
 
 
