@@ -250,9 +250,8 @@ def test_all_finite_finds_one_bad_element_in_a_large_leaf(dtype, bad):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("size", [4097, 90_601, 1_000_003])
 def test_16_bit_checks_see_nan_anywhere_in_large_leaves(dtype, size):
-    # 16-bit leaves are checked with `max` and `min`, which must propagate NaN:
-    # XLA:CPU's vectorised float32 `max` drops it (from 4097 elements), so a
-    # change in XLA's 16-bit reductions would show here.
+    # Large 16-bit leaves are checked with an `or` (float16) or a widened sum
+    # (bfloat16) on XLA:CPU; NaN, -NaN, inf and -inf anywhere must show.
     leaf = jnp.ones(size, dtype)
     for position in [0, 1, size // 2, size - 2, size - 1]:
         for bad in [np.nan, -np.nan, np.inf, -np.inf]:

@@ -546,6 +546,31 @@ def test_numbers_beyond_any_float_are_a_value_error_naming_the_setting(build, na
 
 
 @pytest.mark.parametrize(
+    "build, name",
+    [
+        (lambda: lossscale.DynamicLossScale(min_scale=1e-44, scale=1.0), "min_scale"),
+        (lambda: lossscale.DynamicLossScale(1e-40, min_scale=1e-45), "min_scale"),
+        (lambda: lossscale.DynamicLossScale(backoff_factor=2**-140), "backoff_factor"),
+        (lambda: lossscale.StaticLossScale(1e-40), "value"),
+        (lambda: lossscale.wrap(optax.sgd(0.1), 2.0**-130), "value"),
+    ],
+)
+def test_subnormal_float32_settings_are_refused(build, name):
+    with pytest.raises(ValueError, match=f"`{name}` must be a normal float32"):
+        build()
+
+
+def test_the_lowest_min_scale_holds_through_jitted_back_offs():
+    # 2**-126, the smallest normal float32: the back-off's product (2**-127) is
+    # subnormal, which XLA:CPU flushes to zero; the scale stays at `min_scale`.
+    state = lossscale.DynamicLossScale(2.0**-120, min_scale=2.0**-126)
+    for _ in range(10):
+        state = jitted_update(state, jnp.asarray(False))
+    assert float(state.scale) == 2.0**-126, float(state.scale)
+    assert float(jnp.ones([], jnp.float32) / state.scale) == 2.0**126
+
+
+@pytest.mark.parametrize(
     ("grads_finite", "loss_finite", "error", "hint"),
     [
         ({"w": jnp.ones(2)}, True, TypeError, "lossscale.all_finite(grads)"),

@@ -331,9 +331,9 @@ def test_wrapped_adam_costs_at_most_the_cond_floor_in_xla_bytes():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's figures")
 def test_float16_gradients_cost_less_than_a_float32_copy_in_xla_bytes():
-    # With float16 gradients the check is two plain reads of them (max and min),
-    # not a float32 copy (1.50x): 1.333x. A one-read custom reduction (1.281x)
-    # took 12x the time on XLA:CPU (docs/design.md).
+    # With float16 gradients the check is a read of them and a byte mask
+    # (`any(~isfinite(x))`), not a float32 copy (1.50x): 1.333x. A one-read custom
+    # reduction (1.281x) took 12x the time on XLA:CPU (docs/design.md).
     params = {f"p{i}": jnp.ones((20_000 + 1000 * i,), jnp.float32) for i in range(8)}
     grads = jax.tree.map(lambda p: (p * 1e-3).astype(jnp.float16), params)
     plain_bytes, _ = compiled_costs(optax.adam(1e-3), params, grads)
@@ -524,6 +524,79 @@ def test_float16_bfloat16_and_mixed_leaves(make_inner, backend_form):
         assert not np.any(np.asarray(zeros[name], np.float32))
 
 
+def _dtype_recorder(seen):
+    """A transformation that records the dtypes of the gradients it is given."""
+
+    def update(updates, state, params=None):
+        seen.append({k: g.dtype for k, g in updates.items()})
+        return updates, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+    "loss_scale",
+    [
+        lossscale.NoOpLossScale(),
+        lossscale.StaticLossScale(1.0),
+        None,
+        lossscale.StaticLossScale(4.0),
+        lossscale.DynamicLossScale(1.0),
+    ],
+    ids=["noop", "static-1", "none", "static-4", "dynamic-1"],
+)
+@pytest.mark.parametrize("entry", ["wrap", "apply_gradients", "TrainState"])
+def test_float16_gradients_of_float32_params_reach_the_optimizer_as_float32(
+    entry, loss_scale, backend_form
+):
+    # Whatever the kind, a scale of 1 included: where nothing is unscaled, the
+    # gradients are still widened to their parameters' dtype. In float16, Adam
+    # squares 300 to inf (the parameter would not move) and a global norm of
+    # [300] * 4 is 0.499989 after clipping to 0.5.
+    from lossscale.flax import TrainState
+
+    params = {"w": jnp.zeros(4, jnp.float32), "h": jnp.zeros(4, jnp.float16)}
+    scale = 1.0 if loss_scale is None else float(loss_scale.scale)
+    grads = {
+        "w": jnp.full(4, 300.0 * scale, jnp.float16),
+        "h": jnp.full(4, 0.5 * scale, jnp.float16),
+    }
+    seen = []
+    tx = optax.chain(
+        _dtype_recorder(seen), optax.clip_by_global_norm(0.5), optax.sgd(1.0)
+    )
+
+    def step(params, grads):
+        if entry == "wrap":
+            wrapped = lossscale.wrap(tx, loss_scale)
+            updates, _ = wrapped.update(grads, wrapped.init(params), params)
+            return optax.apply_updates(params, updates)
+        if entry == "apply_gradients":
+            given = lossscale.NoOpLossScale() if loss_scale is None else loss_scale
+            return lossscale.apply_gradients(
+                tx,
+                grads=grads,
+                params=params,
+                opt_state=tx.init(params),
+                loss_scale=given,
+            )[0]
+        state = TrainState.create(
+            apply_fn=None, params=params, tx=tx, loss_scale=loss_scale
+        )
+        return state.apply_gradients(grads=grads).params
+
+    new = jax.jit(step)(params, grads)
+    assert seen and all(s == {"w": jnp.float32, "h": jnp.float16} for s in seen), seen
+    # The reference: the same chain on the float32 gradients (the float16
+    # parameter's gradient stays float16), in float64 with numpy.
+    g = np.concatenate([np.full(4, 300.0), np.full(4, 0.5)])
+    want = -g * 0.5 / np.linalg.norm(g)
+    np.testing.assert_allclose(np.asarray(new["w"]), want[:4], rtol=4 * 2.0**-24)
+    np.testing.assert_allclose(
+        np.asarray(new["h"], np.float64), want[4:], rtol=2.0**-10
+    )
+
+
 def test_scale_below_one_skips_when_unscaling_overflows_float16(backend_form):
     tx = lossscale.wrap(optax.sgd(1.0), 0.5)
     params = {"w": jnp.zeros(2, jnp.float16)}
@@ -642,6 +715,35 @@ def test_nested_wraps_are_refused_at_init():
     tx = lossscale.wrap(lossscale.wrap(optax.sgd(0.1)))
     with pytest.raises(ValueError, match="already holds a loss-scale state"):
         tx.init(params_tree())
+
+
+@pytest.mark.parametrize(
+    "entry", ["wrap.init", "wrap.update", "apply_gradients", "TrainState.create"]
+)
+def test_a_loss_scale_state_passed_as_params_is_refused_naming_params(entry):
+    from lossscale.flax import TrainState
+
+    state = lossscale.DynamicLossScale()
+    tx = optax.adam(1e-3)
+    wrapped = lossscale.wrap(tx)
+    calls = {
+        "wrap.init": lambda: wrapped.init(state),
+        "wrap.update": lambda: wrapped.update(
+            jnp.ones(3), wrapped.init(jnp.zeros(3)), {"ls": state}
+        ),
+        "apply_gradients": lambda: lossscale.apply_gradients(
+            tx,
+            grads=jax.tree.map(jnp.zeros_like, state),
+            params=state,
+            opt_state=tx.init(state),
+            loss_scale=lossscale.DynamicLossScale(),
+        ),
+        "TrainState.create": lambda: TrainState.create(
+            apply_fn=None, params=state, tx=tx
+        ),
+    }
+    with pytest.raises(TypeError, match="`params` of .* holds a loss-scale state"):
+        calls[entry]()
 
 
 def test_update_rejects_integer_gradients_and_mismatched_trees():

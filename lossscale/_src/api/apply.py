@@ -44,7 +44,9 @@ def apply_gradients(
     of the update (a callback in it does not fire, a loop over the gradients does
     not run) and returns the parameters and the optimizer state bit for bit; with
     nothing to unscale (`loss_scale=None`, or a static scale of 1), `wrap(tx)` gives
-    bit for bit what `tx.update` gives run inside one `lax.cond`; and
+    bit for bit what `tx.update` gives run inside one `lax.cond` on the gradients in
+    their parameters' dtypes (a float16 gradient of a float32 parameter as
+    float32); and
     `apply_gradients` and `TrainState.apply_gradients` give bit for bit what
     `wrap(tx)` followed by `optax.apply_updates` gives. On GPUs and TPUs the skip is
     a select: a skipped step returns the same bits, but the update runs and is
@@ -68,8 +70,9 @@ def apply_gradients(
       `(params, opt_state, loss_scale)`, the next ones.
 
     Raises:
-      TypeError: if an argument has the wrong type, a gradient is not floating
-        point, or `tx.update` changes the dtype of a state leaf.
+      TypeError: if an argument has the wrong type, `params` holds a loss-scale
+        state, a gradient is not floating point, or `tx.update` changes the
+        dtype of a state leaf.
       ValueError: if `grads` and `params` differ in tree, `clip_norm` is out of
         range, `opt_state` holds a loss-scale state (`tx` is wrapped already)
         or has another tree than `tx.init(params)`, or Flax fp8 variables meet
@@ -99,6 +102,7 @@ def apply_gradients(
             f" {got}. (A number or 'dynamic' would start afresh every step.)"
         )
     options = step.step_options(axis_name, clip_norm)
+    lookup.refuse_in_params(params, "`apply_gradients`")
     lookup.refuse_wrapped(opt_state, "opt_state", "`apply_gradients`")
     fp8.refuse_accumulation(params, opt_state, "`apply_gradients`")
     if value is not None:

@@ -107,8 +107,9 @@ class TrainState(train_state.TrainState):
           The new `TrainState`.
 
         Raises:
-          TypeError: if `tx` is not an optax transformation; `loss_scale`,
-            `axis_name` or `clip_norm` is not one of the above; or a keyword
+          TypeError: if `tx` is not an optax transformation; `params` holds a
+            loss-scale state; `loss_scale`, `axis_name` or `clip_norm` is not
+            one of the above; or a keyword
             is not a field of the class, or one `create` sets itself.
           ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
             not positive, or Flax fp8 variables meet an `optax.MultiSteps`.
@@ -117,6 +118,7 @@ class TrainState(train_state.TrainState):
         options = step.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
         _validate_field_names(cls, kwargs, "create", ("step", "opt_state"))
+        lookup.refuse_in_params(params, "`TrainState.create`")
         # Flax's fp8 metadata are no optimizer's business (design.md).
         opt_state = tx.init(fp8.trainable(params))
         lookup.refuse_wrapped(opt_state, "tx", "the train state")

@@ -125,6 +125,20 @@ def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:
         )
 
 
+def refuse_in_params(params: Any, owner: str) -> None:
+    """Raises `TypeError` if `params` (an argument of `owner`) holds a state."""
+    found = find_all(params)
+    if found:
+        where = jax.tree_util.keystr(found[0][0]) or "<root>"
+        raise TypeError(
+            f"`params` of {owner} holds a loss-scale state (at {where}): `params`"
+            " are the parameters to train, and a loss-scale state is not one. Pass"
+            " the model's parameters; the loss-scale state goes in `loss_scale`"
+            " (`apply_gradients`, `TrainState.create`), or in the optimizer state"
+            " that `lossscale.wrap(tx).init(params)` returns."
+        )
+
+
 def _the_one(found: list[tuple[Any, LossScale]], tree: Any, name: str) -> LossScale:
     if not found:
         raise ValueError(

@@ -67,7 +67,9 @@ def wrap(
     of the update (a callback in it does not fire, a loop over the gradients does
     not run) and returns the parameters and the optimizer state bit for bit; with
     nothing to unscale (`loss_scale=None`, or a static scale of 1), `wrap(tx)` gives
-    bit for bit what `tx.update` gives run inside one `lax.cond`; and
+    bit for bit what `tx.update` gives run inside one `lax.cond` on the gradients in
+    their parameters' dtypes (a float16 gradient of a float32 parameter as
+    float32); and
     `apply_gradients` and `TrainState.apply_gradients` give bit for bit what
     `wrap(tx)` followed by `optax.apply_updates` gives. On GPUs and TPUs the skip is
     a select: a skipped step returns the same bits, but the update runs and is
@@ -88,8 +90,9 @@ def wrap(
       An `optax.GradientTransformationExtraArgs` whose state is a `WrapState`.
 
     Raises:
-      TypeError: if an argument has the wrong type; `update`, for gradients that
-        are not floating point.
+      TypeError: if an argument has the wrong type; `init` and `update`, if
+        `params` holds a loss-scale state; `update`, for gradients that are not
+        floating point.
       ValueError: if `loss_scale` or `clip_norm` is out of range; `init`, if
         `inner` is wrapped already; `update`, for gradients whose tree differs
         from `params`.
@@ -113,6 +116,7 @@ def wrap(
     options = step.step_options(axis_name, clip_norm)
 
     def init_fn(params):
+        lookup.refuse_in_params(params, "`init`")
         trainable, fp8_metadata = fp8.split_off(params, "params")
         if fp8_metadata is not None:
             fp8.refuse_initialised_by_multisteps()
@@ -140,6 +144,7 @@ def wrap(
                 f" `init`, got {type(state).__name__}."
             )
         kinds.validate_state(state.loss_scale, "state.loss_scale")
+        lookup.refuse_in_params(params, "`update`")
 
         def inner_update(given: step.OptimizerInput) -> step.OptimizerOutput:
             inner_state, pending = given.carry

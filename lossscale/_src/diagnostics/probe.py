@@ -225,9 +225,14 @@ def _moves(eqn: Any) -> bool:
 def _peaks(values: list[Any]) -> jax.Array:
     """`max |x|` of each float16 value, in float32: inf or NaN where it holds one.
 
-    NaN propagates through XLA's 16-bit `max` (docs/design.md).
+    The NaN comes from an `any`, not from the `max`: of a sharded value, the
+    devices' maxima are combined by an all-reduce that drops a NaN on XLA:CPU.
     """
     if not values:
         return jnp.zeros([0], jnp.float32)
-    peaks = [jnp.max(jnp.abs(v), initial=0) for v in values]
+    nan = [jnp.full([], jnp.nan, v.dtype) for v in values]
+    peaks = [
+        jnp.where(jnp.any(jnp.isnan(v)), n, jnp.max(jnp.abs(v), initial=0))
+        for v, n in zip(values, nan, strict=True)
+    ]
     return jnp.stack(peaks).astype(jnp.float32)

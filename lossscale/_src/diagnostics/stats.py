@@ -79,7 +79,7 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
         per_leaf[jax.tree_util.keystr(path) or "<root>"] = _figures(counts, scale)
     overall = {
         key: (
-            jnp.max(jnp.stack([c[key] for c in totals]))
+            _max_keeping_nan(jnp.stack([c[key] for c in totals]))
             if key == "max_abs"
             else sum(c[key] for c in totals)
         )
@@ -94,8 +94,7 @@ def _leaf_counts(leaf: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
     zero = magnitude == 0
     return {
         "size": jnp.asarray(leaf.size, jnp.float32),
-        # NaN must show in the maximum: `jnp.max` propagates it.
-        "max_abs": jnp.max(magnitude, initial=-jnp.inf),
+        "max_abs": _max_keeping_nan(magnitude),
         "zeros": jnp.sum(zero, dtype=jnp.float32),
         "underflows": jnp.sum(
             ~zero & (scaled < _SMALLEST_SUBNORMAL), dtype=jnp.float32
@@ -103,6 +102,16 @@ def _leaf_counts(leaf: jax.Array, scale: jax.Array) -> dict[str, jax.Array]:
         # Written so that NaN counts too.
         "overflows": jnp.sum(~(scaled < _OVERFLOW_THRESHOLD), dtype=jnp.float32),
     }
+
+
+def _max_keeping_nan(values: jax.Array) -> jax.Array:
+    """`max(values)`, NaN if one is (-inf if there are none).
+
+    Not `jnp.max` alone: XLA:CPU's vectorised float32 `max` drops a NaN (from 4097
+    elements), and so does the all-reduce that combines a sharded array's maxima.
+    """
+    largest = jnp.max(values, initial=-jnp.inf)
+    return jnp.where(jnp.any(jnp.isnan(values)), jnp.nan, largest)
 
 
 def _figures(counts: dict[str, Any], scale: jax.Array) -> dict[str, jax.Array]:

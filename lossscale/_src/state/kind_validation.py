@@ -24,13 +24,18 @@ from lossscale._src.state.kind_fields import METADATA_KEY
 RESERVED = frozenset({"kind", "rule", "replace", "get_config", "from_config"})
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal
 
 
 # -- settings: the built-in kinds' ---------------------------------------------------
 
 
 def positive_float32(name: str, value: Any, owner: str) -> float:
-    """`value` as the float32 value a rule computes with; > 0 and finite there."""
+    """`value` as the float32 value a rule computes with; > 0, normal and finite there.
+
+    Not subnormal: XLA:CPU flushes a subnormal float32 to zero in a jitted step, so a
+    `min_scale` of 1e-44 would let the scale reach 0.
+    """
     if not checks.is_number(value):
         raise TypeError(
             f"`{owner}`: `{name}` must be a real number, got {value!r}"
@@ -54,6 +59,12 @@ def positive_float32(name: str, value: Any, owner: str) -> float:
         raise ValueError(
             f"`{owner}`: `{name}` must be positive and finite in float32 (within"
             f" (0, {_FLOAT32_MAX:.4g}]), got {text}."
+        )
+    if rounded < _FLOAT32_TINY:
+        raise ValueError(
+            f"`{owner}`: `{name}` must be a normal float32, at least 2**-126"
+            f" ({_FLOAT32_TINY:.4g}), got {value!r}: XLA flushes a subnormal to zero"
+            " in a jitted step."
         )
     return rounded
 

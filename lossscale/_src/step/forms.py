@@ -46,11 +46,7 @@ def grouped(arrays, positions, square):
         if square:
             probes.append(_stack([_sum_of_squares(v) for v in values]))
         elif dtype.itemsize < 4 and not jnp.issubdtype(dtype, jnp.complexfloating):
-            # float16, bfloat16: two plain reductions, XLA:CPU's fastest; `t - t`
-            # is 0 or NaN, so the probe cannot overflow as `max - min` could.
-            top = _wide(_stack([lax.reduce_max(v, _axes(v)) for v in values]))
-            low = _wide(_stack([lax.reduce_min(v, _axes(v)) for v in values]))
-            probes.append(lax.add(lax.sub(top, top), lax.sub(low, low)))
+            probes.append(narrow_probes(values))
         else:
             probes.append(_zero_or_nan(_stack([_sum_of_zeros(v) for v in values])))
         order.extend(position for position, _ in group)
@@ -61,6 +57,24 @@ def grouped(arrays, positions, square):
             order.extend(position for position, _ in chunk)
     probes = probes[0] if len(probes) == 1 else lax.concatenate(probes, 0)
     return _combine(probes, np.asarray(order, np.int32))
+
+
+def narrow_probes(values: list[jax.Array]) -> jax.Array:
+    """XLA:CPU's float32 probes of large 16-bit (or fp8) leaves of one dtype.
+
+    A sum or an `or` per leaf, never a `max` or a `min`: of a sharded leaf, the
+    devices' results are combined by an all-reduce, which drops a NaN from a `max`
+    (design.md, "Checking finiteness").
+    """
+    if values[0].dtype == jnp.bfloat16:
+        # Widened before the sum, which XLA:CPU then fuses (a bfloat16 sum it
+        # does not).
+        return _stack([_sum_of_zeros(v, wide=True) for v in values])
+    # float16 (and fp8): XLA:CPU fuses neither their sums nor their converts into
+    # a reduction, so a flag per leaf (a byte mask, written and read back).
+    flags = _stack([_any_nonfinite(v) for v in values])
+    nans = np.full(flags.shape, np.nan, np.float32)
+    return lax.select(flags, nans, np.zeros(flags.shape, np.float32))
 
 
 def partials(arrays, positions, square):
@@ -180,10 +194,16 @@ def _sum_of_squares(values: jax.Array, axes: Any = None) -> jax.Array:
     return _wide(lax.reduce_sum(squares, axes))
 
 
-def _sum_of_zeros(values: jax.Array, axes: Any = None) -> jax.Array:
-    """The sum of `x - x` over `axes`: 0, or NaN where an `x` is not finite."""
+def _sum_of_zeros(values: jax.Array, axes: Any = None, wide: bool = False) -> jax.Array:
+    """The sum of `x - x` over `axes`: 0, or NaN where an `x` is not finite.
+
+    With `wide`, the zeros are summed in float32 (or wider).
+    """
     axes = _axes(values) if axes is None else axes
-    return lax.reduce_sum(lax.sub(values, values), axes)
+    zeros = lax.sub(values, values)
+    if wide:
+        zeros = lax.convert_element_type(zeros, unscaling.wide_dtype(values.dtype))
+    return lax.reduce_sum(zeros, axes)
 
 
 def _zero_or_nan(sums: jax.Array) -> jax.Array:

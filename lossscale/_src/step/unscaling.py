@@ -51,13 +51,21 @@ def unscale(grads: Any, state: LossScale, params: Any = None) -> Any:
     """The gradients divided by the scale; `None` leaves pass through.
 
     Each leaf keeps its dtype, unless `params` has a wider one for it (float16
-    gradients of float32 parameters): then it takes the parameter's.
+    gradients of float32 parameters): then it takes the parameter's, whatever the
+    scale (with a scale of 1 nothing else changes).
     """
-    if always_one(state):
+    if always_one(state) and params is None:
         return grads
-    inverse = inverse_scale(state)
     leaves, treedef = _flatten_keeping_none(grads)
     dtypes = _target_dtypes(leaves, treedef, params)
+    if always_one(state):
+        return treedef.unflatten(
+            [
+                g if g is None or g.dtype == to else lax.convert_element_type(g, to)
+                for g, to in zip(leaves, dtypes, strict=True)
+            ]
+        )
+    inverse = inverse_scale(state)
     return treedef.unflatten(
         [
             g if g is None else lax.convert_element_type(_unscaled(g, inverse), dtype)
