@@ -1,9 +1,10 @@
 """The public API against its committed snapshot (`tests/api_snapshot.json`).
 
-Every name in `lossscale.__all__` and `lossscale.flax.__all__`, its kind, its
-parameters (name, kind, default) and, for a class, its public members with theirs, as
-griffe inspects them. Renaming or removing a public name or parameter, or changing a
-default, fails here until the snapshot and CHANGELOG.md change with it:
+Every name in `lossscale.__all__`, `lossscale.flax.__all__` and
+`lossscale.tunix.__all__`, its kind, its parameters (name, kind, default) and, for a
+class, its public members with theirs, as griffe inspects them. Renaming or removing a
+public name or parameter, or changing a default, fails here until the snapshot and
+CHANGELOG.md change with it:
 
     python tests/test_api_snapshot.py --write
 """
@@ -18,7 +19,7 @@ import sys
 import pytest
 
 SNAPSHOT = pathlib.Path(__file__).with_name("api_snapshot.json")
-MODULES = ("lossscale", "lossscale.flax")
+MODULES = ("lossscale", "lossscale.flax", "lossscale.tunix")
 
 
 def _parameters(function) -> list[list[str | None]]:

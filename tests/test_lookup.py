@@ -41,8 +41,8 @@ def test_a_tree_without_a_state_or_with_two_is_a_value_error(finder):
 
 @pytest.mark.parametrize("finder", FINDERS.values(), ids=FINDERS)
 def test_the_state_is_found_inside_chains_and_multisteps(finder):
-    tx = optax.MultiSteps(
-        optax.chain(optax.clip(1.0), lossscale.wrap(optax.sgd(0.1), 4.0)), 2
+    tx = optax.chain(
+        optax.clip(1.0), lossscale.wrap(optax.MultiSteps(optax.sgd(0.1), 2), 4.0)
     )
     opt_state = tx.init(GRADS)
     assert lossscale.get_loss_scale(opt_state).value == 4.0

@@ -230,6 +230,81 @@ def test_an_inf_causal_mask_that_the_softmax_makes_zero_is_not_blamed():
     assert finite_at(masked_attention_loss, params, x, y)(2.0**15)
 
 
+def padded_attention_loss(mask_value):
+    """Causal float16 attention over left-padded rows, masked with `mask_value`.
+
+    A padding position's query row has no key left: with a mask float16 holds
+    (-65504) its softmax is uniform; with tunix's -2.3819763e38, -inf in float16,
+    it is NaN, which the loss drops and its gradient does not.
+    """
+
+    def loss_fn(params, x, valid):
+        h = x.astype(F16)
+        q, k, v = (h @ params[name].astype(F16) for name in "qkv")
+        scores = q @ k.swapaxes(-1, -2) / F16(4.0)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        keep = causal & valid[:, None, :]
+        scores = jnp.where(keep, scores, mask_value)  # padded-mask-line
+        weights = jax.nn.softmax(scores.astype(F32), axis=-1).astype(F16)
+        out = (weights @ v).astype(F32)
+        return jnp.sum(jnp.where(valid[..., None], out**2, 0.0)) / jnp.sum(valid)
+
+    return loss_fn
+
+
+def padded_attention_problem():
+    *keys, x_key = jax.random.split(jax.random.key(0), 4)
+    params = {
+        n: jax.random.normal(k, (16, 16)) / 4 for n, k in zip("qkv", keys, strict=True)
+    }
+    x = jax.random.normal(x_key, (2, 8, 16))
+    valid = jnp.ones((2, 8), bool).at[:, :3].set(False)  # left padding
+    return params, x, valid
+
+
+def test_a_mask_constant_float16_makes_inf_is_an_error_no_scale_fixes():
+    # Issue 57: tunix's K_MASK in float16. `preflight` gave a warning at a later
+    # op and `locate_overflow` advised a lower scale; no scale gives finite
+    # gradients, and the line to change is the mask's.
+    params, x, valid = padded_attention_problem()
+    loss_fn = padded_attention_loss(-2.3819763e38)
+    report = lossscale.preflight(loss_fn, params, x, valid)
+    (finding,) = serious(report)
+    assert (finding.code, finding.severity) == ("gradient-overflow", "error"), report
+    assert finding.where == helpers.line_of(__file__, "padded-mask-line"), report
+    assert "the constant -2.3819763e+38, -inf in float16" in finding.message
+    assert "jnp.finfo(jnp.float16).min" in finding.fix
+    assert report.scale is None
+    located = str(lossscale.locate_overflow(loss_fn, params, x, valid, loss_scale=1.0))
+    assert "No loss scale avoids it" in located and "lower scale" not in located
+    assert helpers.line_of(__file__, "padded-mask-line") in located
+    # The reference: not finite at any scale from 2**15 down to 2**-24 ...
+    finite = finite_at(loss_fn, params, x, valid)
+    assert not any(finite(2.0**e) for e in (15, 0, -24))
+    # ... and the fix it gives: with float16's lowest value, no error, nothing
+    # at the mask (a constant near float16's largest is no headroom hazard), a
+    # scale to start at, and finite gradients there.
+    fixed = padded_attention_loss(float(jnp.finfo(F16).min))
+    report = lossscale.preflight(fixed, params, x, valid)
+    assert [f.severity for f in serious(report)] in ([], ["warning"]), str(report)
+    assert helpers.line_of(__file__, "padded-mask-line") not in str(report)
+    assert report.scale is not None and finite_at(fixed, params, x, valid)(report.scale)
+
+
+def test_a_backward_overflow_at_every_scale_is_an_error_at_its_op():
+    def loss_fn(w, x):
+        return jnp.sum(jnp.sqrt(x.astype(F16) * w.astype(F16)).astype(F32))  # sqrt-line
+
+    w, x = jnp.ones(4), jnp.arange(4.0)  # sqrt(0): an infinite derivative
+    report = lossscale.preflight(loss_fn, w, x)
+    (finding,) = serious(report)
+    assert (finding.code, finding.severity) == ("gradient-overflow", "error"), report
+    assert finding.where == helpers.line_of(__file__, "sqrt-line"), report
+    assert report.scale is None
+    # The reference: the gradient is inf at scale 2**-24 already.
+    assert not finite_at(loss_fn, w, x)(2.0**-24)
+
+
 def test_an_overflow_that_the_loss_masks_and_its_gradient_does_not_see_is_not_blamed():
     def loss_fn(params, x):
         h = x.astype(F16) * params["w"].astype(F16)
@@ -689,6 +764,41 @@ def test_preflight_step_runs_a_step_that_donates_its_state_on_copies(api):
         assert helpers.tree_equal(jax.tree.map(np.array, state), before)
 
 
+def test_preflight_step_names_donation_by_a_step_bound_to_its_own_objects():
+    # As a framework's jitted step (tunix's: `nnx.cached_partial` over the trainer's
+    # model and optimizer, donating the optimizer): it ignores the copies it is
+    # given and deletes the caller's arrays; the check says so, where it crashed
+    # with "Array has been deleted" (issue 57).
+    import functools
+
+    from flax import nnx
+
+    def train_step(model, optimizer, x):
+        def loss(m):
+            return lossscale.scale_loss(jnp.sum(m(x) ** 2), optimizer)
+
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    def fresh():
+        model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        return model, lossscale.flax.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    model, optimizer = fresh()
+    jitted = nnx.jit(train_step, donate_argnames=("optimizer",))
+    bound = functools.partial(nnx.cached_partial(jitted, model, optimizer))
+    with pytest.raises(ValueError, match=r"`step` donated \(deleted\) an array"):
+        lossscale.preflight_step(
+            lambda state, x: (bound(x), state)[1], (model, optimizer), X
+        )
+    # The fix it gives: the step over the state it is given, donating or not.
+    model, optimizer = fresh()
+    for fn in (nnx.jit(train_step), jitted):
+        report = lossscale.preflight_step(
+            lambda state, x, fn=fn: (fn(*state, x), state)[1], (model, optimizer), X
+        )
+        assert report.codes == set(), str(report)
+
+
 def dropping_steps():
     """The guide's small program, stepped through each API, keeping the old loss
     scale: what each returns is the loss-scale state it was given (issue 50)."""
@@ -1007,7 +1117,8 @@ def test_the_report_prints_a_table_errors_first():
     )
     lines = str(report).splitlines()
     assert lines[0] == (
-        "preflight: 1 error, 1 warning. Start a dynamic scale at 2**10 (report.scale)."
+        "preflight: 1 error, 1 warning. A dynamic scale can start up to 2**10"
+        " (report.scale)."
     )
     assert lines[2].split() == ["severity", "code", "where"]
     assert lines[3].split() == ["error", "forward-overflow", "a.py:3"]

@@ -371,27 +371,6 @@ def test_wrap_inside_a_chain_skips_and_is_found():
     assert float(lossscale.get_loss_scale(opt_state).scale) == 16.0
 
 
-def test_multisteps_around_wrap_updates_the_scale_once_per_cycle():
-    loss_scale = lossscale.DynamicLossScale(scale=64.0, growth_interval=1)
-    tx = optax.MultiSteps(
-        lossscale.wrap(optax.sgd(1.0), loss_scale), every_k_schedule=3
-    )
-    params = params_tree()
-    opt_state = tx.init(params)
-    step = make_step(tx)
-    true_grads = [grads_like(params, seed) for seed in range(3)]
-    scales = []
-    for grads in true_grads:
-        scale = float(lossscale.get_loss_scale(opt_state).scale)
-        scaled = jax.tree.map(lambda g, s=scale: g * s, grads)
-        params, opt_state, _ = step(params, opt_state, scaled)
-        scales.append(float(lossscale.get_loss_scale(opt_state).scale))
-    assert scales == [64.0, 64.0, 128.0]  # constant within the cycle, grows once
-    mean = jax.tree.map(lambda *g: sum(g) / 3, *true_grads)
-    expected = jax.tree.map(lambda p, g: p - g, params_tree(), mean)
-    assert_same_up_to_fma(params, expected)
-
-
 def test_inject_hyperparams_inside_the_wrap_stays_readable_and_settable():
     tx = lossscale.wrap(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0), 8.0)
     params = params_tree()
@@ -524,6 +503,27 @@ def test_float16_bfloat16_and_mixed_leaves(make_inner, backend_form):
         assert not np.any(np.asarray(zeros[name], np.float32))
 
 
+@pytest.mark.parametrize(
+    "gradient, share", [(2.0**15 * 1e-8, 0.5), (2.0**15 * 1e-9, 0.09), (3.3e-3, 0.91)]
+)
+def test_adam_hides_an_unscaled_loss_only_for_gradients_large_next_to_eps_times_s(
+    gradient, share
+):
+    # The wrap guide's numbers ("If the loss is not scaled"): Adam's first update
+    # from `g / S` against from `g`, with optax's eps (1e-8) at S = 2**15.
+    scale, tx = 2.0**15, optax.adam(1.0)
+    params = jnp.zeros(1)
+
+    def first_update(g):
+        return float(tx.update(jnp.full(1, g), tx.init(params), params)[0][0])
+
+    ratio = first_update(gradient / scale) / first_update(gradient)
+    want = (gradient + 1e-8) / (gradient + 1e-8 * scale)  # the formula, in float64
+    # float32's 1 - 0.999 (Adam's first bias correction) is 4.7e-5 off 1e-3.
+    assert abs(ratio - want) <= 1e-4 * want, (ratio, want)
+    assert abs(ratio - share) <= 0.01, (ratio, share)
+
+
 def _dtype_recorder(seen):
     """A transformation that records the dtypes of the gradients it is given."""
 
@@ -637,7 +637,7 @@ def test_get_loss_scale_finds_the_state_in_every_container():
     containers = [
         wrapped,
         optax.chain(optax.clip(1.0), wrapped),
-        optax.MultiSteps(wrapped, every_k_schedule=2),
+        lossscale.wrap(optax.MultiSteps(optax.adam(1e-3), 2), 128.0),
         optax.inject_hyperparams(
             lambda learning_rate: lossscale.wrap(optax.sgd(learning_rate), 128.0)
         )(learning_rate=0.1),

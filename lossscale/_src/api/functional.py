@@ -11,6 +11,7 @@ import jax
 
 from lossscale._src import checks
 from lossscale._src.api import lookup
+from lossscale._src.state.kind import LossScale
 from lossscale._src.step import finite
 from lossscale._src.step import fp8
 from lossscale._src.step import unscaling
@@ -65,6 +66,15 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
     if callable(loss) and not hasattr(loss, "dtype"):
         _refuse_arguments(loss)
         return lambda: scale_loss(loss(), state)
+    return scaled(loss, state)
+
+
+def scaled(loss: Any, state: LossScale) -> jax.Array:
+    """`scale_loss(loss, state)` for a state at hand: no lookup, so no warning.
+
+    For lossscale's own tracing (`locate_overflow`), which closes over a state
+    on purpose.
+    """
     loss = checks.validate_loss(loss)
     loss = loss.astype(unscaling.wide_dtype(loss.dtype))
     if unscaling.always_one(state):

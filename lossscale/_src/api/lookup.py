@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from lossscale._src import checks
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import fp8
+from lossscale._src.step import unscaling
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
     """Returns the loss-scale state held anywhere inside an optimizer state.
 
-    It looks through any pytree: the state of `lossscale.wrap`, and chains,
-    `optax.MultiSteps`, `optax.inject_hyperparams` or other containers around it,
-    a `lossscale.flax.TrainState` or `lossscale.flax.Optimizer`. Every function
+    It looks through any pytree: the state of `lossscale.wrap` (an
+    `optax.MultiSteps` inside it too), chains, `optax.inject_hyperparams` or other
+    containers around it, a `lossscale.flax.TrainState` or
+    `lossscale.flax.Optimizer`. Every function
     that takes "a state or a tree holding one" finds it this way.
 
     Args:
@@ -45,8 +49,13 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 
 
 def find(value: Any, name: str) -> LossScale:
-    """`get_loss_scale(value)`, naming the argument `name` in its errors."""
+    """`get_loss_scale(value)`, naming the argument `name` in its errors.
+
+    Warns when a dynamic state is a constant of a function being traced (see
+    `_warn_if_closed_over`).
+    """
     if isinstance(value, LossScale):
+        _warn_if_closed_over(value, name)
         return value
     if isinstance(value, optax.GradientTransformation):
         raise TypeError(
@@ -73,7 +82,40 @@ def find(value: Any, name: str) -> LossScale:
             " back-offs. Pass that state, or for a fixed scale"
             " `lossscale.StaticLossScale(...)`."
         )
-    return _the_one(find_all(value), value, name)
+    state = _the_one(find_all(value), value, name)
+    _warn_if_closed_over(state, name)
+    return state
+
+
+def _warn_if_closed_over(state: LossScale, name: str) -> None:
+    """Warns if `state` is dynamic and a constant of a function being traced.
+
+    Passed to `jax.jit` as an argument, its leaves are tracers while the function
+    is traced. A concrete leaf there was closed over: the compiled function keeps
+    the value it had then, and every later call scales by that stale scale. (Eager
+    code, `jax.grad` outside `jit` included, reads the current value and is not
+    warned about.)
+    """
+    if unscaling.always_one(state) or state.min_scale == state.max_scale:
+        return  # a fixed scale: a constant by design
+    scale = state.scale
+    if hasattr(scale, "get_value"):  # an `nnx.Variable`
+        scale = scale.get_value()
+    if not isinstance(scale, jax.Array) or isinstance(scale, jax.core.Tracer):
+        return
+    # Inside a traced function any new array is a tracer; eagerly it is concrete.
+    if not isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer):
+        return
+    warnings.warn(
+        f"`{name}` holds a dynamic loss-scale state that is a constant of the"
+        " function being traced: the function closes over it instead of taking it"
+        " as an argument. Compiled (`jax.jit`, `nnx.jit`), the function keeps the"
+        f" scale it had then ({float(scale)}), and once the optimizer's scale grows"
+        " or backs off the loss is still multiplied by that one. Pass the state,"
+        " or the optimizer state or train state holding it, as an argument of the"
+        " jitted function.",
+        stacklevel=4,
+    )
 
 
 def scale_to_evaluate_at(value: Any, name: str, owner: str) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 from typing import NamedTuple
 
@@ -60,8 +62,9 @@ def wrap(
     every parameter bit as it is, and the inner state untouched. Then
     `lossscale.update` moves the loss-scale state. Every kind skips
     non-finite steps; `update(..., value=loss)` tells forward from backward
-    overflows. It composes with `optax.chain`, `optax.MultiSteps` and
-    `optax.inject_hyperparams` (`docs/guides/wrap.md`; the why: `docs/design.md`).
+    overflows. It composes with `optax.chain` and `optax.inject_hyperparams`, and
+    accumulates as `wrap(optax.MultiSteps(inner, k))`; `optax.MultiSteps(wrap(...))`
+    is refused at `init` (`docs/guides/wrap.md`; the why: `docs/design.md`).
 
     **Exactness.** On XLA:CPU the skip is a `lax.cond`: a skipped step runs nothing
     of the update (a callback in it does not fire, a loop over the gradients does
@@ -94,8 +97,8 @@ def wrap(
         `params` holds a loss-scale state; `update`, for gradients that are not
         floating point.
       ValueError: if `loss_scale` or `clip_norm` is out of range; `init`, if
-        `inner` is wrapped already; `update`, for gradients whose tree differs
-        from `params`.
+        `inner` is wrapped already or an `optax.MultiSteps` holds the wrap;
+        `update`, for gradients whose tree differs from `params`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, lossscale
@@ -107,28 +110,17 @@ def wrap(
       >>> print(optax.apply_updates(params, updates))
       0.5
     """
-    accumulates = isinstance(inner, optax.MultiSteps)
-    if accumulates:
-        inner = inner.gradient_transformation()
-    checks.validate_transformation(inner, "inner")
-    inner = optax.with_extra_args_support(inner)
+    inner, accumulates = prepared(inner)
     template = kinds.from_spec(loss_scale)
     options = step.step_options(axis_name, clip_norm)
 
     def init_fn(params):
-        lookup.refuse_in_params(params, "`init`")
-        trainable, fp8_metadata = fp8.split_off(params, "params")
-        if fp8_metadata is not None:
-            fp8.refuse_initialised_by_multisteps()
-        inner_state = inner.init(trainable)
-        lookup.refuse_wrapped(inner_state, "inner", "`lossscale.wrap`")
-        # Under accumulation, fp8 metadata combine with max until the inner
-        # optimizer steps (design.md, "fp8 metadata").
-        pending = None
-        if accumulates and fp8_metadata is not None:
-            pending = fp8.unproduced_like(fp8_metadata)
-        # Fresh buffers on every call, so the state is safe to donate.
-        return WrapState(fresh_copy(template), inner_state, pending)
+        if _initialised_by_multisteps():
+            fp8_metadata = fp8.split_off(params, "params")[1]
+            raise ValueError(
+                MULTISTEPS_OUTSIDE if fp8_metadata is None else fp8.ACCUMULATED_OUTSIDE
+            )
+        return initial_state(inner, template, params, accumulates=accumulates)
 
     def update_fn(updates, state, params=None, *positional, **extra_args):
         if positional:
@@ -172,6 +164,68 @@ def wrap(
         return result.output, WrapState(result.loss_scale, inner_state, pending)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+MULTISTEPS_OUTSIDE = (
+    "`optax.MultiSteps(lossscale.wrap(...))` is refused: optax's MultiSteps resets"
+    " its accumulators as `(1 - emit) * acc`, so one non-finite micro-batch (0 * NaN"
+    " is NaN) skips every later cycle while the scale collapses. Accumulate inside"
+    " the wrap: `lossscale.wrap(optax.MultiSteps(inner, k))` checks each"
+    " micro-batch, drops a non-finite one and backs off at once. With a framework"
+    " that adds the MultiSteps itself (tunix's `gradient_accumulation_steps`, or"
+    " its RL mini- and micro-batch sizes), use `lossscale.tunix`."
+)
+
+
+def _initialised_by_multisteps() -> bool:
+    """Whether `optax.MultiSteps.init` is what initialises the calling wrap.
+
+    `MultiSteps(wrap(...))` is refused at `init`, before a step has run: its
+    accumulators keep a NaN for good (with Flax's fp8 collection, it would also
+    average the metadata). Found from the caller's frames: the wrap cannot see
+    what holds it otherwise.
+    """
+    frame: FrameType | None = sys._getframe(1)  # wrap's `init`
+    for _ in range(4):  # `MultiSteps.init`, or a chain or two between
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return False
+        if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
+            return True
+    return False
+
+
+def prepared(inner: Any) -> tuple[Any, bool]:
+    """`inner` as `wrap` runs it (extra arguments supported); whether it accumulates.
+
+    Raises `TypeError` unless `inner` is an optax transformation.
+    """
+    accumulates = isinstance(inner, optax.MultiSteps)
+    if accumulates:
+        inner = inner.gradient_transformation()
+    checks.validate_transformation(inner, "inner")
+    return optax.with_extra_args_support(inner), accumulates
+
+
+def initial_state(
+    inner: Any, template: LossScale, params: Any, *, accumulates: bool
+) -> WrapState:
+    """What `wrap(inner, template).init(params)` returns, whatever holds the wrap.
+
+    `inner` is ready (extra arguments supported; an `optax.MultiSteps` as its
+    gradient transformation, with `accumulates`).
+    """
+    lookup.refuse_in_params(params, "`init`")
+    trainable, fp8_metadata = fp8.split_off(params, "params")
+    inner_state = inner.init(trainable)
+    lookup.refuse_wrapped(inner_state, "inner", "`lossscale.wrap`")
+    # Under accumulation, fp8 metadata combine with max until the inner
+    # optimizer steps (design.md, "fp8 metadata").
+    pending = None
+    if accumulates and fp8_metadata is not None:
+        pending = fp8.unproduced_like(fp8_metadata)
+    # Fresh buffers on every call, so the state is safe to donate.
+    return WrapState(fresh_copy(template), inner_state, pending)
 
 
 def fresh_copy(state: LossScale) -> LossScale:

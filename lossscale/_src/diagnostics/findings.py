@@ -64,10 +64,12 @@ class PreflightReport:
       findings: the findings (each a `Finding`), errors first, then warnings,
         then info.
       scale: the largest power of two (at most `2**24`) at which the probe's
-        scaled gradients stay finite with a 2x margin: where a dynamic scale
-        should start so that no batch is lost. None where it was not probed
-        (`preflight_step`) or no scale gives finite gradients (a forward
-        overflow).
+        scaled gradients stay finite with a 2x margin: the highest a dynamic
+        scale can start without losing a batch to a back-off. Start at
+        lossscale's default (2**15) unless it is lower, or a
+        `gradient-underflow` finding says to start there
+        (`docs/guides/preflight.md`, measured). None where it was not probed
+        (`preflight_step`) or no scale gives finite gradients.
       notes: what was probed, and what was not (e.g. no `optimizer` given).
 
     Examples:
@@ -76,7 +78,8 @@ class PreflightReport:
       >>> print(report.codes, report.scale)
       frozenset() 131072.0
       >>> print(report)
-      preflight: no errors, no warnings. Start a dynamic scale at 2**17 (report.scale).
+      preflight: no errors, no warnings. A dynamic scale can start up to 2**17
+      (report.scale).
     """
 
     findings: tuple[Finding, ...]
@@ -95,7 +98,9 @@ class PreflightReport:
             head.append(_count(counts["info"], "note"))
         title = "preflight: " + ", ".join(head) + "."
         if self.scale is not None:
-            title += f" Start a dynamic scale at {power(self.scale)} (report.scale)."
+            title += (
+                f" A dynamic scale can start up to {power(self.scale)} (report.scale)."
+            )
         lines = [title]
         if self.findings:
             code = max(len(f.code) for f in self.findings)

@@ -160,6 +160,8 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
                 if largest_input
                 else name
             )
+        if interpret.constant_input(op.eqn, op.calls) is not None:
+            continue  # a constant (a mask's) does not grow with the batch
         for i in op.outputs:
             peak = float(peaks[i])
             if not bads[i] and peak >= F16_MAX / HEADROOM and peak > largest_input:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from lossscale._src.diagnostics import interpret
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import literal
 from lossscale._src.diagnostics.findings import power
+from lossscale._src.diagnostics.probe import F16_OVERFLOW
 from lossscale._src.diagnostics.probe import Evaluation
 from lossscale._src.diagnostics.probe import Probe
 from lossscale._src.diagnostics.program import Program
@@ -84,21 +86,17 @@ def _overflow(
 ) -> list[Finding]:
     if first.finite or not np.isfinite(first.loss):
         return []
+    if scale is None:
+        return [_unfixable(probe)]
     where, op = None, "a float16 op"
     if first.first_overflow is not None:
         eqn, calls = first.first_overflow
         where, op = interpret.source(eqn, calls=calls)[0], f"`{eqn.primitive.name}`"
-    if scale is None:
-        advice = (
-            "No scale down to 2**-24 gives finite gradients: compute that op in"
-            " float32."
-        )
-    else:
-        advice = (
-            f"Start the scale at {power(scale)} (`report.scale`), the largest with"
-            " finite gradients at twice it: e.g."
-            f" `lossscale.DynamicLossScale(scale={literal(scale)})`."
-        )
+    advice = (
+        f"Start the scale at {power(scale)} (`report.scale`), the largest with"
+        " finite gradients at twice it: e.g."
+        f" `lossscale.DynamicLossScale(scale={literal(scale)})`."
+    )
     return [
         Finding(
             code="gradient-overflow",
@@ -113,6 +111,65 @@ def _overflow(
             fix=advice,
         )
     ]
+
+
+def _unfixable(probe: Probe) -> Finding:
+    """No scale gives finite gradients: the first inf or NaN, and what to do.
+
+    It is scale-free: made in the forward pass (a value the loss drops and its
+    gradient does not, such as a -inf attention mask over a row with no key
+    left), or by a backward op at every scale.
+    """
+    lowest = probe(min(probe.evaluations))
+    origin = _forward_origin(probe, lowest)
+    if origin is not None:
+        eqn, calls = origin
+        made = (
+            f"`{eqn.primitive.name}` makes the first inf or NaN, in the forward pass"
+            f" from finite inputs{_constant(eqn, calls)}: the loss drops it, and its"
+            " gradient does not (0 * inf is NaN)"
+        )
+        fix = (
+            "Keep that value within float16's range: a mask constant of"
+            " `jnp.finfo(jnp.float16).min` (-65504), not -inf or -1e30, which float16"
+            " rounds to -inf; or compute that op in float32."
+        )
+    else:
+        eqn, calls = lowest.first_overflow or (None, ())
+        name = f"`{eqn.primitive.name}`" if eqn is not None else "a float16 op"
+        made = f"{name} overflows float16 in the backward pass at every scale"
+        fix = "Compute that op in float32."
+    where = interpret.source(eqn, calls=calls)[0] if eqn is not None else None
+    return Finding(
+        code="gradient-overflow",
+        severity="error",
+        message=(
+            f"No loss scale gives finite gradients: they are not finite at every"
+            f" scale tried, down to {power(lowest.scale)}. {made}."
+        ),
+        where=where,
+        fix=fix,
+    )
+
+
+def _forward_origin(probe: Probe, evaluation: Evaluation) -> tuple[Any, Any] | None:
+    """The first forward op, in program order, that makes an inf or NaN from none."""
+    bad = evaluation.bad
+    for op in probe.ops:
+        if any(bad[i] for i in op.outputs) and not any(bad[i] for i in op.upstream):
+            return op.eqn, op.calls
+    return None
+
+
+def _constant(eqn: Any, calls: tuple[Any, ...]) -> str:
+    """`" (the constant c, -inf in float16)"` if `eqn` casts one float16 cannot hold."""
+    value = interpret.constant_input(eqn, calls)
+    if eqn.primitive.name != "convert_element_type" or value is None:
+        return ""
+    if np.ndim(value) or not np.isfinite(value) or abs(value) < F16_OVERFLOW:
+        return ""
+    sign = "-" if value < 0 else ""
+    return f" (the constant {float(value):.8g}, {sign}inf in float16)"
 
 
 def _underflow(

@@ -134,7 +134,9 @@ def walk(
                     sub.jaxpr, sub.consts, operands, operand_tags, (*calls, eqn)
                 )
             else:
-                with eqn.ctx.manager:
+                # Eagerly, numpy casts literals: an overflow there is what the
+                # walk looks for, not a warning for the user.
+                with eqn.ctx.manager, np.errstate(over="ignore", invalid="ignore"):
                     params = eqn.primitive.get_bind_params(eqn.params)
                     outputs = eqn.primitive.bind(*inputs, **params)
                 if not eqn.primitive.multiple_results:
@@ -169,6 +171,26 @@ def _sub_jaxpr(eqn: Any, arity: int) -> Any:
     if len(sub.jaxpr.invars) != arity or len(sub.jaxpr.outvars) != len(eqn.outvars):
         return None
     return sub
+
+
+def constant_input(eqn: Any, calls: tuple[Any, ...]) -> Any:
+    """The value of `eqn`'s first input if it is a constant, else None.
+
+    A literal of a call around `eqn` counts (`jnp.where` is jitted: its scalar
+    operand is a literal of the call, an input of the equation inside).
+    """
+    if not eqn.invars:
+        return None
+    atom = eqn.invars[0]
+    for call in reversed(calls):
+        if isinstance(atom, core.Literal):
+            break
+        inner = _sub_jaxpr(call, len(call.invars))
+        invars = list(inner.jaxpr.invars) if inner is not None else []
+        if atom not in invars:
+            break
+        atom = call.invars[invars.index(atom)]
+    return atom.val if isinstance(atom, core.Literal) else None
 
 
 def nonfinite(value: Any) -> bool:

@@ -104,6 +104,17 @@ class OverflowReport:
                 " `.astype(jnp.float32)`), or keep its input within float16's range"
                 " (e.g. subtract the max before `exp`, as `jax.nn.softmax` does)."
             )
+        if self.op is not None and not self.backward_pass:
+            # Made before the loss is scaled: the same at every scale.
+            return (
+                f"Backward overflow at {at}: the loss"
+                f" ({self.loss:g}) is finite.{grads}{where} No loss scale avoids it:"
+                " that value does not depend on the scale, and the loss drops it but"
+                " its gradient does not (0 * inf is NaN). Keep it within float16's"
+                " range (a mask constant of `jnp.finfo(jnp.float16).min`, not -inf"
+                " or -1e30, which float16 rounds to -inf), or compute that op in"
+                " float32."
+            )
         return (
             f"Backward overflow at {at}: the loss"
             f" ({self.loss:g}) is finite.{grads}{where} A lower scale avoids it"
@@ -191,7 +202,7 @@ def locate_overflow(
 
     def scaled(diff, batch):
         loss, _ = problem.loss(diff, batch)
-        return functional.scale_loss(loss, state), loss
+        return functional.scaled(loss, state), loss
 
     step = jax.value_and_grad(scaled, has_aux=True)
     diff, batch = problem.diff, problem.batch

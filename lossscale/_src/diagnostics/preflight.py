@@ -44,9 +44,9 @@ def preflight(
     gradients in the dtypes the code chooses, runs them on the batch at a few
     loss scales with its float16 values measured (one compiled program) and,
     with `optimizer`, one probe update. Each hazard is a `Finding` (codes and
-    examples: `docs/guides/preflight.md`); `report.scale` is where a dynamic
-    scale should start. It differentiates the floating-point arrays of
-    `params` (a tree, a Flax NNX or Equinox model); integer and key arguments
+    examples: `docs/guides/preflight.md`); `report.scale` is the highest a
+    dynamic scale can start on this batch. It differentiates the floating-point
+    arrays of `params` (a tree, a Flax NNX or Equinox model); integer and key arguments
     are passed as they are. Its cost: a compile and a few training steps.
 
     Args:

@@ -6,7 +6,8 @@ the same up to that power of two (a multiplication by 2 is exact), so a correct
 step applies the same update at both, bit for bit but for values at the bottom
 of float16's range. A step that differentiates the unscaled loss and lets
 `wrap` unscale it, or that clips before `wrap`, updates by `g / s`: half as
-much at twice the scale, which Adam's normalisation hides and SGD does not.
+much at twice the scale under SGD, and under Adam unless the gradients are large
+next to its `eps` times the scale (docs/guides/wrap.md).
 
 And a step must return the loss-scale state its update returned. One that
 returns the state it was given trains on silently: no skip is counted, the
@@ -175,6 +176,8 @@ def _run(step, state, args, loss_scale, new_state=False):
     )
     before = int(loss_scale.skipped_steps)
     out = step(given, *args)
+    # The state as the caller holds it: `given` is a copy of it.
+    _refuse_donated({"state": state, "args": args, "loss_scale": loss_scale})
     paths = set(_float_leaves(state))
     if set(_float_leaves(out)) != paths and isinstance(out, tuple | list) and out:
         out = out[0]
@@ -189,6 +192,35 @@ def _run(step, state, args, loss_scale, new_state=False):
     if new_state:
         return _float_leaves(out), skipped, returned
     return _float_leaves(out), skipped
+
+
+def _refuse_donated(caller: Any) -> None:
+    """Raises if the step deleted (donated) arrays of the caller's objects.
+
+    It was given copies: a step that donates the caller's own arrays runs on
+    objects bound to it (`nnx.cached_partial`, a trainer's jitted step), not on
+    the state it is given, so neither the scales tried reach it nor can the
+    caller's objects be read after it.
+    """
+    variable = _variable_type()
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        caller, is_leaf=lambda x: variable is not None and isinstance(x, variable)
+    )
+    for path, leaf in leaves:
+        if variable is not None and isinstance(leaf, variable):
+            leaf = leaf.get_value()
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                "`step` donated (deleted) an array of the caller's objects, at"
+                f" {jax.tree_util.keystr(path)}, while `preflight_step` ran it on"
+                " copies: the step runs on objects bound to it (as"
+                " `nnx.cached_partial` or a framework's jitted step binds the model"
+                " and the optimizer), not on the `state` it is given, so the scales"
+                " the check sets never reach it. Pass a step that takes the state as"
+                " its first argument: the train step itself, jitted or not, e.g."
+                " `lambda state, batch: (train_step(*state, batch), state)[1]` over"
+                " `state = (model, optimizer)`. Donating its arguments is fine."
+            )
 
 
 def _float_leaves(tree: Any) -> dict[str, Any]:

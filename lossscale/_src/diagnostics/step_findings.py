@@ -37,8 +37,9 @@ def scale_dependent(
                 " scale of inf), but a transformation reads them before they are"
                 " unscaled (e.g. a clip)."
             )
-            + " With Adam the step may still train (its normalisation hides a"
-            " factor); with SGD it stalls, and `metrics` look healthy."
+            + " With SGD it stalls; with Adam it trains only where the gradients"
+            " are large next to Adam's `eps` times the scale (a loss averaged over"
+            " many tokens has smaller ones); and `metrics` look healthy."
         ),
         where=next(iter(differ)),
         fix=_scale_fix(_api(state), unscaled),

@@ -9,9 +9,7 @@ checked or fed to the optimizer, and they are written only on applied steps
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 from typing import NamedTuple
 
@@ -84,7 +82,7 @@ def refuse_accumulation(params: Any, opt_state: Any, owner: str) -> None:
         )
 
 
-_ACCUMULATED_OUTSIDE = (
+ACCUMULATED_OUTSIDE = (
     f"`optax.MultiSteps(lossscale.wrap(...))` accumulates Flax's fp8 `{OVERWRITE}`"
     " collection as gradients, averaging the scales and amax histories (and an"
     " unused op's -inf makes them NaN). Accumulate inside the wrap instead:"
@@ -100,24 +98,7 @@ def refuse_accumulated_outside(state: optax.MultiStepsState) -> None:
     unused op's -inf makes them NaN for good.
     """
     if isinstance(state.acc_grads, Mapping) and OVERWRITE in state.acc_grads:
-        raise ValueError(_ACCUMULATED_OUTSIDE)
-
-
-def refuse_initialised_by_multisteps() -> None:
-    """Raises if `optax.MultiSteps.init` is what initialises a wrap with fp8 values.
-
-    Whatever the kind (a `NoOpLossScale` too, whose user never looks the state
-    up), `MultiSteps(wrap(...))` would average the collection; refused at `init`,
-    before a step has run. Found from the caller's frames: the wrap cannot see
-    what holds it otherwise.
-    """
-    frame: FrameType | None = sys._getframe(1)  # wrap's `init`
-    for _ in range(4):  # `MultiSteps.init`, or a chain or two between
-        frame = frame.f_back if frame is not None else None
-        if frame is None:
-            return
-        if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
-            raise ValueError(_ACCUMULATED_OUTSIDE)
+        raise ValueError(ACCUMULATED_OUTSIDE)
 
 
 def trainable(params: Any) -> Any:
