@@ -288,6 +288,13 @@ def main(argv=None):
         "--target", default="cpu", choices=["cpu", "h100", "tpu-v5e", "tpu-v5p"]
     )
     parser.add_argument("--variants", default="", help="comma-separated substrings")
+    parser.add_argument(
+        "--inner",
+        default="adam",
+        choices=sorted(optimizer_step.INNERS),
+        help="the optimizer: adam, or clip+adam (`optax.clip_by_global_norm(1.0)` then"
+        " Adam) for every variant and the baseline alike",
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/compile_time")
     parser.add_argument(
@@ -304,6 +311,7 @@ def main(argv=None):
         " time grows too fast to wait for (48 s at 300 leaves, on a 2-core CPU)",
     )
     args = parser.parse_args(argv)
+    optimizer_step.inner = optimizer_step.INNERS[args.inner]
     CLOCK[0] = time.perf_counter if args.clock == "wall" else time.process_time
     caps = {
         part: int(n)

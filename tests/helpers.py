@@ -197,6 +197,48 @@ def compiled_costs(tx, params, grads):
     return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
 
 
+def cond_floor_costs(params, grads, *, apply_updates=True):
+    """XLA's figures of the bare skip around plain Adam: a check, then a `lax.cond`.
+
+    What any cond-based skip costs on this XLA (`(bytes, temp)`): the floor of the
+    step's own figures. jax 0.10's XLA:CPU reads the gradients once more for the
+    check (1.10x Adam's bytes); jax 0.6's also copies a gradient-sized tree
+    across the cond (1.41x, and as much temp).
+    """
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, grads):
+        finite = lossscale.all_finite(grads)
+
+        def applied(operands):
+            params, opt_state, grads = operands
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (
+                optax.apply_updates(params, updates) if apply_updates else updates
+            ), opt_state
+
+        def skipped(operands):
+            params, opt_state, grads = operands
+            zeros = jax.tree.map(jnp.zeros_like, grads)
+            return (params if apply_updates else zeros), opt_state
+
+        new, opt_state = jax.lax.cond(
+            finite, applied, skipped, (params, opt_state, grads)
+        )
+        if apply_updates:
+            return new, opt_state
+        return optax.apply_updates(params, new), opt_state
+
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(params, tx.init(params), grads)
+        .compile()
+    )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
+
+
 DEVICES = jax.devices("cpu")
 
 

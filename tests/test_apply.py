@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import compiled_costs
+from helpers import cond_floor_costs
 from helpers import grads_like
 from helpers import hlo_instructions
 from helpers import params_tree
@@ -214,9 +215,14 @@ def test_costs_one_extra_read_of_the_gradients_in_xla_bytes(dtype):
     ours, temp = one_call_costs(params, grads)
     reads = 1 if jnp.dtype(dtype).itemsize == 4 else 2
     extra_read = sum(g.nbytes for g in jax.tree.leaves(grads))
-    assert ours <= plain_bytes + reads * extra_read * 1.1, (ours / plain_bytes, dtype)
+    # Or no more than a bare check and cond around Adam on this XLA, where that
+    # costs more (jax 0.6's copies a gradient tree across the cond).
+    floor, floor_temp = cond_floor_costs(params, grads)
+    bound = max(plain_bytes + reads * extra_read * 1.1, floor + 0.05 * extra_read)
+    assert ours <= bound, (ours / plain_bytes, floor / plain_bytes, dtype)
     mask = 0 if dtype == "float32" else extra_read // jnp.dtype(dtype).itemsize
-    assert temp <= mask + 0.05 * extra_read, (temp, mask, extra_read)
+    temp_bound = max(mask + 0.05 * extra_read, floor_temp + mask + 4096)
+    assert temp <= temp_bound, (temp, mask, floor_temp, extra_read)
 
 
 def _sgd_arguments():
@@ -472,9 +478,11 @@ def test_clip_norm_costs_no_pass_of_its_own_in_xla_bytes():
     chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
     chain_bytes, _ = compiled_costs(chain, params, grads)
     ours, temp = one_call_costs(params, grads, clip_norm=1.0)
-    assert ours <= plain_bytes + extra_read * 1.05, ours / plain_bytes
+    floor, floor_temp = cond_floor_costs(params, grads)  # the bare skip, this XLA
+    bound = max(plain_bytes + extra_read * 1.05, floor + 0.05 * extra_read)
+    assert ours <= bound, (ours / plain_bytes, floor / plain_bytes)
     assert ours < 0.8 * chain_bytes, ours / chain_bytes
-    assert temp <= 0.05 * extra_read, temp
+    assert temp <= max(0.05 * extra_read, floor_temp + 4096), (temp, floor_temp)
 
 
 def test_arguments_by_position_get_the_call_that_works():

@@ -142,7 +142,8 @@ def test_a_flax_linen_attention_softmax_overflow_is_located():
     report = lossscale.locate_overflow(loss_fn, params, x * 30.0, loss_scale=SCALE)
     assert (report.kind, report.op) == ("forward", "exp")
     assert report.source == line_of("linen-softmax-line")
-    assert report.function == "Attention.__call__"
+    # jax 0.6's source information names a function without its class.
+    assert report.function in ("Attention.__call__", "__call__"), report.function
 
 
 class NnxMLP(nnx.Module):

@@ -272,7 +272,8 @@ class Optimizer(nnx.Optimizer):
     @property
     def loss_scale(self) -> LossScale:
         """The loss-scale state, with plain arrays as leaves."""
-        return lookup.find(nnx.as_pure(self.opt_state), "opt_state")
+        pure = getattr(nnx, "as_pure", None) or nnx.pure  # Flax 0.12, 0.11
+        return lookup.find(pure(self.opt_state), "opt_state")
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> optax.Updates:
         """Updates the model from gradients of the scaled loss; see `nnx.Optimizer`.

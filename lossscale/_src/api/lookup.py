@@ -98,9 +98,7 @@ def _warn_if_closed_over(state: LossScale, name: str) -> None:
     """
     if unscaling.always_one(state) or state.min_scale == state.max_scale:
         return  # a fixed scale: a constant by design
-    scale = state.scale
-    if hasattr(scale, "get_value"):  # an `nnx.Variable`
-        scale = scale.get_value()
+    scale = variable_value(state.scale)
     if not isinstance(scale, jax.Array) or isinstance(scale, jax.core.Tracer):
         return
     # Inside a traced function any new array is a tracer; eagerly it is concrete.
@@ -116,6 +114,15 @@ def _warn_if_closed_over(state: LossScale, name: str) -> None:
         " jitted function.",
         stacklevel=4,
     )
+
+
+def variable_value(x: Any) -> Any:
+    """`x`'s value if it is a Flax `nnx.Variable` (Flax 0.11 and 0.12), else `x`."""
+    if hasattr(x, "get_value"):  # Flax 0.12
+        return x.get_value()
+    if hasattr(x, "raw_value"):  # Flax 0.11
+        return x.value
+    return x
 
 
 def scale_to_evaluate_at(value: Any, name: str, owner: str) -> Any:

@@ -137,8 +137,18 @@ def _equations(jaxpr: Any, calls: tuple[Any, ...]):
     """`(equation, enclosing equations)` of `jaxpr` and the jaxprs inside it."""
     for eqn in jaxpr.eqns:
         yield eqn, calls
-        for sub in core.jaxprs_in_params(eqn.params):
+        for sub in _jaxprs_in(eqn.params):
             yield from _equations(sub, (*calls, eqn))
+
+
+def _jaxprs_in(params: dict) -> Any:
+    """The jaxprs among an equation's parameters (`core.jaxprs_in_params`, jax 0.7+)."""
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(item, core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, core.Jaxpr):
+                yield item
 
 
 # -- the probe batch ------------------------------------------------------------

@@ -29,6 +29,8 @@ from jax.extend import core
 # Their names as of jax 0.10, the oldest supported.
 _CALLS = {
     "jit": "jaxpr",
+    "pjit": "jaxpr",  # `jit`'s primitive before jax 0.7
+    "custom_vjp_call_jaxpr": "fun_jaxpr",  # `custom_vjp_call` before jax 0.7
     "closed_call": "call_jaxpr",
     "remat2": "jaxpr",  # `jax.checkpoint`'s primitive
     "custom_jvp_call": "call_jaxpr",
@@ -137,8 +139,7 @@ def walk(
                 # Eagerly, numpy casts literals: an overflow there is what the
                 # walk looks for, not a warning for the user.
                 with eqn.ctx.manager, np.errstate(over="ignore", invalid="ignore"):
-                    params = eqn.primitive.get_bind_params(eqn.params)
-                    outputs = eqn.primitive.bind(*inputs, **params)
+                    outputs = _bind(eqn, inputs)
                 if not eqn.primitive.multiple_results:
                     outputs = [outputs]
                 output_tags = visit(eqn, inputs, outputs, input_tags, calls)
@@ -149,6 +150,19 @@ def walk(
 
     padded = list(tags) + [None] * (len(args) - len(tags))
     return evaluate(closed.jaxpr, closed.consts, list(args), padded, ())
+
+
+def _bind(eqn: Any, inputs: list) -> Any:
+    """`eqn`'s primitive applied to `inputs`, as `jax.core.eval_jaxpr` does.
+
+    `get_bind_params` gives the parameters (jax 0.7 and on), or before them the
+    functions a call primitive binds with (jax 0.6: a pair).
+    """
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):
+        functions, params = params
+        return eqn.primitive.bind(*functions, *inputs, **params)
+    return eqn.primitive.bind(*inputs, **params)
 
 
 def _branch(eqn: Any, inputs: list, tags: list) -> tuple[Any, list, list]:

@@ -208,7 +208,7 @@ def _refuse_donated(caller: Any) -> None:
     )
     for path, leaf in leaves:
         if variable is not None and isinstance(leaf, variable):
-            leaf = leaf.get_value()
+            leaf = lookup.variable_value(leaf)
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
                 "`step` donated (deleted) an array of the caller's objects, at"
@@ -297,7 +297,7 @@ def values(state: LossScale) -> LossScale:
     if variable is None:
         return state
     return jax.tree.map(
-        lambda x: x.get_value() if isinstance(x, variable) else x,
+        lambda x: lookup.variable_value(x) if isinstance(x, variable) else x,
         state,
         is_leaf=lambda x: isinstance(x, variable),
     )

@@ -15,7 +15,6 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import optax
 
@@ -24,7 +23,6 @@ from lossscale._src.state import update
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import finite
 from lossscale._src.step import fp8
-from lossscale._src.step import split as split_step
 from lossscale._src.step import unscaling
 
 
@@ -96,8 +94,8 @@ def guarded_step(
     3. Applied: `optimizer` on the unscaled (and clipped) gradients. Skipped:
        `carry` as it was, bit for bit, and negative-zero updates. The updates
        cross the skip, and with `apply_updates` the step adds them to the
-       parameters after it, as `wrap`'s caller does. A `lax.cond` on XLA:CPU,
-       a select elsewhere (`split`).
+       parameters after it, as `wrap`'s caller does. One `lax.cond` on
+       XLA:CPU, a select elsewhere (design.md, "The step").
     4. Updates the loss-scale state: the unscaling used the scale the loss was
        multiplied by, the next step uses the new one.
 
@@ -149,66 +147,60 @@ def guarded_step(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
     kept = (carry, split.old) if apply_updates else carry
-    # -0.0 on an applied step, which the CPU form's cond reads as a value XLA
-    # cannot see (`_rounded`); the select forms get a constant, which XLA folds
-    # away with its adds.
+    # -0.0 on an applied step, which the cond reads as a value XLA cannot see
+    # (`_rounded`); the select forms get a constant, which XLA folds away.
     zero = jnp.where(applied, jnp.float32(-0.0), jnp.float32(0.0))
     operands = (split.grads, split.params, kept, norm, zero)
-    # Traced once: each backend's form is built from its jaxpr (`split`).
+    # Jitted once: every form calls it, and jit traces optax's Python once; the
+    # kind of each of its outputs is read while it is (`_kinds`).
     jitted = jax.jit(applied_step)
-    traced, shapes = jax.make_jaxpr(jitted, return_shape=True)(*operands)
+    shapes, kinds = _kinds(jitted, *operands)
     checks.refuse_changed_types(shapes[1], kept)
-    inner = _inner(traced)
-    leaves = jax.tree.leaves(operands)
-    # The outputs each form takes, by position, with what a skipped step gives
-    # for each: the input at that position of the step's inputs (its constants
-    # first), or negative zeros (the updates) where None.
-    grads_count, params_count, kept_count = (
-        len(jax.tree.leaves(tree)) for tree in operands[:3]
-    )
-    first = len(jax.tree.leaves(shapes[0]))
-    params_at = len(inner.consts) + grads_count
-    kept_at = params_at + params_count
-    carried = [(first + j, kept_at + j) for j in range(kept_count)]
-    updates = [(k, None) for k in range(len(jax.tree.leaves(shapes[0][0])))]
-    if apply_updates:  # the parameters with the updates added follow them
-        added = [(len(updates) + j, params_at + j) for j in range(params_count)]
-    else:
-        updates = [(k, None) for k in range(first)]  # the fp8 differences too
 
-    def select(*leaves):
-        values = [*inner.consts, *leaves[:-1], jnp.float32(-0.0)]  # a constant
-        given = split_step.select(inner, values, applied, updates + carried)
+    def skipped(params, kept):
+        """What a skipped step gives, in the applied step's tree."""
+        if apply_updates:
+            return (_negative_zeros(shapes[0][0]), params), kept
+        return _negative_zeros(shapes[0]), kept
+
+    def cond(grads, params, kept, norm, zero):
+        # Every update of the step inside one `lax.cond`: a skipped step runs
+        # nothing of it; with `apply_updates`, the parameters are added there.
+        operands = (grads, params, kept, norm, zero)
+        # The two sides of the skip made one type (a select does it itself).
+        joined = _join(kinds, jax.tree.map(_kind, skipped(params, kept)))
+
+        def on_applied(operands):
+            return _cast(jitted(*operands), joined)
+
+        def on_skipped(operands):
+            return _cast(skipped(operands[1], operands[2]), joined)
+
+        given = jax.lax.cond(applied, on_applied, on_skipped, operands)
         if not apply_updates:
             return given
-        new = jax.tree.unflatten(
-            jax.tree.structure(shapes[0][0]), given[: len(updates)]
-        )
-        params = jax.tree.unflatten(
-            jax.tree.structure(split.params),
-            leaves[grads_count : grads_count + params_count],
-        )
-        return [
-            *jax.tree.leaves(optax.apply_updates(params, new)),
-            *given[len(updates) :],
-        ]
+        (_, added), new_kept = given
+        return added, new_kept
 
-    def conds(*leaves):
-        return split_step.conds(
-            inner,
-            [*inner.consts, *leaves],
-            applied,
-            (added if apply_updates else updates) + carried,
-        )
+    def select(grads, params, kept, norm, _):
+        # A select per output; the updates added after it, as `wrap`'s caller
+        # does (`p + (-0.0)` is `p`, bit for bit).
+        new = jitted(grads, params, kept, norm, jnp.float32(-0.0))
+        stays = skipped(params, kept)
+        if apply_updates:  # the parameters added to after the select, not before
+            ((new, _), new_kept), ((stays, _), kept) = new, stays
+            new, stays = (new, new_kept), (stays, kept)
+        given = jax.tree.map(lambda n, s: jax.lax.select(applied, n, s), new, stays)
+        if not apply_updates:
+            return given
+        updates, new_kept = given
+        return optax.apply_updates(params, updates), new_kept
 
-    flat = finite.per_backend(*leaves, cpu=conds, gpu=select, tpu=select)
+    output, new_kept = finite.per_backend(*operands, cpu=cond, gpu=select, tpu=select)
     if apply_updates:
-        tree = jax.tree.unflatten(jax.tree.structure(split.params), flat[:params_count])
-        carry, collection = jax.tree.unflatten(
-            jax.tree.structure(shapes[1]), flat[params_count:]
-        )
+        tree, (carry, collection) = output, new_kept
     else:
-        (tree, collection), carry = jax.tree.unflatten(jax.tree.structure(shapes), flat)
+        (tree, collection), carry = output, new_kept
     loss_scale = update.next_state(
         loss_scale, checked.grads_finite, checked.loss_finite, checked.first
     )
@@ -226,37 +218,92 @@ def _rounded(tree: Any, zero: jax.Array) -> Any:
     "Where the update crosses the skip").
     """
 
+    # `lax`, not `jnp`: an operation or two per leaf of the step's trace.
     def rounded(u):
         if u is None or not jnp.issubdtype(u.dtype, jnp.inexact):
             return u
-        z = zero.astype(jnp.real(u).dtype)
-        if jnp.iscomplexobj(u):
-            return jax.lax.complex(jnp.real(u) + z, jnp.imag(u) + z)
-        return u + z
+        if jnp.issubdtype(u.dtype, jnp.complexfloating):
+            z = jax.lax.convert_element_type(zero, jax.lax.real(u).dtype)
+            return jax.lax.complex(
+                jax.lax.add(jax.lax.real(u), z), jax.lax.add(jax.lax.imag(u), z)
+            )
+        return jax.lax.add(u, jax.lax.convert_element_type(zero, u.dtype))
 
     return jax.tree.map(rounded, tree, is_leaf=lambda x: x is None)
 
 
-def _inner(closed: Any) -> Any:
-    """The jaxpr of the jitted step that `closed` calls, as a jaxpr of its inputs.
+def _negative_zeros(shapes: Any) -> Any:
+    """What a skipped step's updates are, per leaf: `p + (-0.0)` is `p`, bit for bit."""
+    return jax.tree.map(lambda s: jax.lax.full(s.shape, -0.0, s.dtype), shapes)
 
-    What the step closes over (the loss-scale state, ...) becomes its constants.
+
+class _Kind(NamedTuple):
+    """What a value's type says beyond its shape and dtype, for a skip's two sides."""
+
+    weak: bool  # a weak type (a Python scalar's)
+    varying: frozenset  # the `shard_map` axes it varies over
+
+
+def _kinds(fn: Callable, *args: Any) -> tuple[Any, Any]:
+    """`fn(*args)`'s outputs' shapes, and their `_Kind`s: read while tracing, not run.
+
+    `jax.eval_shape`'s own results do not say which `shard_map` axes a value
+    varies over: its tracers do.
     """
-    (call,) = closed.jaxpr.eqns
-    inner = call.params["jaxpr"]
-    by_outer = dict(zip(call.invars, inner.jaxpr.invars, strict=True))
-    consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-    if call.outvars != closed.jaxpr.outvars or len(by_outer) != len(call.invars):
-        return closed  # pragma: no cover - no jax gives this: the call as it is
-    constvars = [by_outer[v] for v in consts if v in by_outer]
-    jaxpr = jcore.Jaxpr(
-        (*constvars, *inner.jaxpr.constvars),
-        [by_outer[v] for v in closed.jaxpr.invars],
-        inner.jaxpr.outvars,
-        inner.jaxpr.eqns,
-        inner.jaxpr.effects,
-        inner.jaxpr.debug_info,
-    )
-    return jcore.ClosedJaxpr(
-        jaxpr, [consts[v] for v in consts if v in by_outer] + list(inner.consts)
-    )
+    kinds = []
+
+    def read(*args):
+        out = fn(*args)
+        kinds.append(jax.tree.map(_kind, out))
+        return out
+
+    return jax.eval_shape(read, *args), kinds[0]
+
+
+def _kind(x: Any) -> _Kind:
+    return _Kind(jax.typeof(x).weak_type, _varying(x))
+
+
+def _join(a: Any, b: Any) -> Any:
+    """The kind of a select of two values: weak if both are, varying where either."""
+
+    def join(x: _Kind, y: _Kind) -> _Kind:
+        return _Kind(x.weak and y.weak, x.varying | y.varying)
+
+    return jax.tree.map(join, a, b, is_leaf=lambda x: isinstance(x, _Kind))
+
+
+def _cast(tree: Any, kinds: Any) -> Any:
+    """`tree`'s values made of the given kinds (never less weak or varying)."""
+
+    def cast(x, kind):
+        if jax.typeof(x).weak_type and not kind.weak:
+            x = jax.lax.convert_element_type(x, jax.typeof(x).dtype)
+        missing = kind.varying - _varying(x)
+        return _pcast(x, tuple(sorted(missing))) if missing else x
+
+    return jax.tree.map(cast, tree, kinds)
+
+
+def _varying(x: Any) -> frozenset:
+    """The `shard_map` axes `x` varies over, found with JAX's public operations.
+
+    Outside `shard_map` there are none. Inside, making `x` vary over an axis it
+    varies over already is refused (a `ValueError`), over another it is not (the
+    result is unused, and dropped).
+    """
+    axes = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+    found = set()
+    for axis in axes:
+        try:
+            _pcast(x, (axis,))
+        except ValueError:
+            found.add(axis)
+    return frozenset(found)
+
+
+def _pcast(x: Any, axes: tuple[str, ...]) -> Any:
+    """`x` made varying over `axes` (`lax.pcast` from jax 0.8.2, `lax.pvary` before)."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # jax < 0.8.2
