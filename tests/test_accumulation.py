@@ -72,6 +72,17 @@ def test_multisteps_around_wrap_is_refused_at_init_with_the_fix(kind):
         optax.MultiSteps(
             optax.chain(optax.clip(1.0), lossscale.wrap(optax.sgd(1.0))), K
         ),
+        # Nested deeper than a frame walk of a few frames reaches.
+        optax.MultiSteps(
+            optax.chain(optax.chain(optax.chain(lossscale.wrap(optax.sgd(1.0))))), K
+        ),
+        optax.MultiSteps(
+            optax.multi_transform(
+                {"x": optax.chain(lossscale.wrap(optax.sgd(1.0)))},
+                lambda params: jax.tree.map(lambda _: "x", params),
+            ),
+            K,
+        ),
     ):
         with pytest.raises(
             ValueError, match=r"lossscale.wrap\(optax.MultiSteps\(inner, k"

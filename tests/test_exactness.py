@@ -67,6 +67,30 @@ def test_a_skipped_step_runs_the_update_only_in_the_select_forms(backend_form, e
     assert calls == expected, (backend_form, calls)
 
 
+@pytest.mark.parametrize("entry", ["wrap", "apply_gradients"])
+def test_a_skipped_step_keeps_complex_parameters_bit_for_bit(backend_form, entry):
+    # Signed zeros in both parts: a skip's updates must be -0.0 in both, since
+    # `-0.0 + 0.0` is `+0.0`.
+    params = jnp.array([complex(-0.0, -0.0), complex(1.5, -0.0), 0.0, -2j], "complex64")
+    grads = jnp.array([complex(jnp.inf, 0.0), 1.0, 1.0, 1.0], "complex64")
+    tx = optax.sgd(0.1)
+    if entry == "wrap":
+        wrapped = lossscale.wrap(tx, "dynamic")
+        updates, _ = jax.jit(wrapped.update)(grads, wrapped.init(params), params)
+        new = optax.apply_updates(params, updates)
+    else:
+        new, *_ = jax.jit(
+            lambda g, p, s: lossscale.apply_gradients(
+                tx,
+                grads=g,
+                params=p,
+                opt_state=s,
+                loss_scale=lossscale.DynamicLossScale(),
+            )
+        )(grads, params, tx.init(params))
+    assert bitwise_equal(new, params), (backend_form, new, params)
+
+
 def _train_state(tx):
     import flax.linen as nn
 

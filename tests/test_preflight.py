@@ -305,6 +305,26 @@ def test_a_backward_overflow_at_every_scale_is_an_error_at_its_op():
     assert not finite_at(loss_fn, w, x)(2.0**-24)
 
 
+def test_a_backward_overflow_is_blamed_at_its_op_past_a_harmless_forward_inf():
+    def loss_fn(w, x, valid):
+        h = x.astype(F16) * w.astype(F16)
+        pooled = jnp.max(jnp.where(valid, h, -jnp.inf), axis=-1)  # a row keeps 5
+        root = jnp.sqrt(h[:, 0] * F16(0))  # sqrt-of-zero-line
+        return (jnp.sum(pooled) + jnp.sum(root)).astype(F32)
+
+    w, x = jnp.ones((4, 8)), jnp.linspace(0.1, 1.0, 32).reshape(4, 8)
+    valid = jnp.broadcast_to(jnp.arange(8) < 5, (4, 8))
+    report = lossscale.preflight(loss_fn, w, x, valid)
+    (finding,) = [f for f in report.findings if f.severity == "error"]
+    assert finding.code == "gradient-overflow", report
+    assert finding.where == helpers.line_of(__file__, "sqrt-of-zero-line"), report
+    assert "backward pass at every scale" in finding.message, finding.message
+    # The reference: the -inf padding is finite after the max, and the
+    # gradients are not finite at 2**-24 already.
+    assert np.isfinite(float(loss_fn(w, x, valid)))
+    assert not finite_at(loss_fn, w, x, valid)(2.0**-24)
+
+
 def test_an_overflow_that_the_loss_masks_and_its_gradient_does_not_see_is_not_blamed():
     def loss_fn(params, x):
         h = x.astype(F16) * params["w"].astype(F16)
@@ -766,6 +786,27 @@ def test_preflight_step_runs_a_step_that_donates_its_state_on_copies(api):
             leaf.is_deleted() for leaf in leaves if hasattr(leaf, "is_deleted")
         )
         assert helpers.tree_equal(jax.tree.map(np.array, state), before)
+
+
+def test_preflight_step_runs_a_step_that_donates_its_batch_on_a_copy():
+    tx = lossscale.wrap(optax.sgd(0.1))
+    state = {"params": jnp.ones(8), "opt_state": tx.init(jnp.ones(8))}
+
+    def step(state, batch):
+        def loss(p):
+            return lossscale.scale_loss(jnp.sum((p * batch) ** 2), state["opt_state"])
+
+        grads = jax.grad(loss)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        new = optax.apply_updates(state["params"], updates)
+        return {"params": new, "opt_state": opt_state}, batch * 2  # reuses its buffer
+
+    batch = jnp.ones(8)
+    report = lossscale.preflight_step(
+        jax.jit(step, donate_argnums=(0, 1)), state, batch
+    )
+    assert report.findings == (), report
+    assert not batch.is_deleted()
 
 
 def test_preflight_step_names_donation_by_a_step_bound_to_its_own_objects():

@@ -211,9 +211,35 @@ def test_an_overflow_skips_and_backs_off_and_bad_data_skips_without(float16_mask
         np.array_equal(a, b)
         for a, b in zip(kept, params_of(trainer.model), strict=True)
     )
-    # tunix's logs show the skips and the scale.
-    assert history(trainer, "skipped_steps")[-1] >= 1
-    assert 2.0**14 in history(trainer, "loss_scale")
+    # tunix's logs show each step's skips and scale, at that step's number.
+    # tunix writes a step's metrics while the next runs: each at its own step.
+    assert history(trainer, "skipped_steps") == [0, 1, 2]
+    assert history(trainer, "loss_scale") == [2.0**15, 2.0**14, 2.0**14]
+    assert np.isnan(history(trainer, "loss")[2])
+
+
+class Float16Params(nnx.Module):
+    """A float16 parameter vector: the model tunix's `grad_norm` overflowed in."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.full((64,), 0.5, F16))
+
+
+def test_grad_norm_of_float16_parameters_is_the_unscaled_norm():
+    def loss_fn(model, x):
+        return jnp.mean((model.w.astype(F32) * x) ** 2)
+
+    trainer = peft_trainer.PeftTrainer(
+        Float16Params(),
+        lossscale.tunix.wrap(optax.sgd(0.01)),
+        peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=1),
+    ).with_loss_fn(loss_fn)
+    lossscale.tunix.scale_trainer(trainer)
+    trainer.train([{"x": np.ones(64, np.float32)}])
+    # d/dw mean(w**2) = 2w/64 = 1/64 per element: a norm of 8/64, exact in
+    # float16; scaled by 2**15, its square summed in float16 overflowed.
+    assert history(trainer, "grad_norm") == [0.125]
+    assert history(trainer, "skipped_steps") == [0]
 
 
 def test_a_bad_micro_batch_under_accumulation_costs_one_micro_batch(float16_mask):

@@ -40,20 +40,20 @@ def apply_gradients(
     step is applied when every unscaled gradient, and `value` if given, is finite;
     otherwise `params` and `opt_state` come back unchanged, bit for bit.
 
-    **Exactness.** On XLA:CPU the skip is a `lax.cond`: a skipped step runs nothing
-    of the update (a callback in it does not fire, a loop over the gradients does
-    not run) and returns the parameters and the optimizer state bit for bit; with
-    nothing to unscale (`loss_scale=None`, or a static scale of 1), `wrap(tx)` gives
-    bit for bit what `tx.update` gives run inside one `lax.cond` on the gradients in
-    their parameters' dtypes (a float16 gradient of a float32 parameter as
-    float32); and
-    `apply_gradients` and `TrainState.apply_gradients` give bit for bit what
-    `wrap(tx)` followed by `optax.apply_updates` gives. On GPUs and TPUs the skip is
-    a select: a skipped step returns the same bits, but the update runs and is
-    thrown away (a callback in it fires, a loop over the gradients runs on their
-    infs and NaNs), and `apply_gradients` compiles to the program of `wrap(tx)`
-    followed by `optax.apply_updates` (the same bits, unless the rest of the two
-    programs makes XLA fuse them otherwise).
+    **Exactness.** On XLA:CPU the skip is a `lax.cond`: a skipped step runs nothing of
+    the update (a callback in it does not fire, a loop over the gradients does not run)
+    and returns the parameters and the optimizer state bit for bit; with nothing to
+    unscale (`loss_scale=None`, or a static scale of 1), `wrap(tx)` gives bit for bit
+    what `tx.update` gives run inside one `lax.cond` on the gradients in their
+    parameters' dtypes (a float16 gradient of a float32 parameter as float32); and
+    `apply_gradients` and `TrainState.apply_gradients` give bit for bit what `wrap(tx)`
+    followed by `optax.apply_updates` gives (Flax's fp8 metadata aside, which `wrap`
+    writes as a difference: to within one float32 rounding). On GPUs and TPUs the skip
+    is a select: a skipped step returns the same bits, but the update runs and is thrown
+    away (a callback in it fires, a loop over the gradients runs on their infs and
+    NaNs), and `apply_gradients` compiles to the program of `wrap(tx)` followed by
+    `optax.apply_updates` (the same bits, unless the rest of the two programs makes XLA
+    fuse them otherwise).
 
     Args:
       tx: the optax optimizer, not wrapped with `lossscale.wrap`.

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -197,8 +198,10 @@ def _step_of(trainer: Any) -> Any:
             scaled, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True
         )
         (_, (loss, aux)), grads = grad_fn(model, inputs)
+        # Widened before squaring: a scaled float16 gradient's square overflows.
+        wide = jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, "f4")), grads)
         inverse = jnp.ones([], jnp.float32) / state.scale
-        grad_norm = optax.global_norm(grads).astype(jnp.float32) * inverse
+        grad_norm = optax.global_norm(wide).astype(jnp.float32) * inverse
         optimizer.update(model, grads, value=loss, **{_FROM_THE_STEP: True})
         return loss, aux, grad_norm
 
@@ -255,25 +258,53 @@ def _log_metrics_of(trainer: Any) -> None:
 
 
 class _MetricsHooks:
-    """tunix training hooks: the loss-scale metrics, then the given hooks' call."""
+    """tunix training hooks: the loss-scale metrics, then the given hooks' call.
+
+    tunix writes a step's metrics while the next step runs (`on_train_step_end`
+    comes one step late, or at `close` for the last): the state after the step
+    it names is copied on the device where the step after it starts, and logged
+    then, so the host waits on no step tunix itself does not wait on.
+    """
 
     def __init__(self, inner: Any):
         self.inner = inner
+        self.after: dict[int, dict[str, Any]] = {}  # train steps done -> figures
 
     def __getattr__(self, name: str) -> Any:  # every other hook: the given one's
         return getattr(self.inner, name) if self.inner else lambda *a, **k: None
 
+    def on_train_step_start(self, train_ctx: Any):
+        # The first micro-batch's start after `train_steps` steps: their state.
+        self.after.setdefault(train_ctx.train_steps, _figures(train_ctx))
+        if self.inner is not None:
+            self.inner.on_train_step_start(train_ctx)
+
     def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: Any):
-        state = _state_of(train_ctx.optimizer)
-        figures = jax.device_get(
-            {"loss_scale": state.scale, "skipped_steps": state.skipped_steps}
-        )
+        figures = self.after.pop(train_step, None) or _figures(train_ctx)
+        for step in [s for s in self.after if s < train_step]:
+            del self.after[step]
         for name in METRICS:
             train_ctx.metrics_logger.log(
-                train_ctx.metrics_prefix, name, figures[name], "train", train_step
+                train_ctx.metrics_prefix,
+                name,
+                np.asarray(figures[name]),
+                "train",
+                train_step,
             )
         if self.inner is not None:
             self.inner.on_train_step_end(train_ctx, train_step, train_loss)
+
+
+def _figures(train_ctx: Any) -> dict[str, Any]:
+    """The loss-scale metrics of the trainer's optimizer now, as device arrays.
+
+    Copies, on the device: the next step donates the state's own buffers.
+    """
+    state = _state_of(train_ctx.optimizer)
+    return {
+        "loss_scale": jnp.copy(state.scale),
+        "skipped_steps": jnp.copy(state.skipped_steps),
+    }
 
 
 def _warn_of_a_float16_mask(model: Any) -> None:

@@ -66,20 +66,20 @@ def wrap(
     accumulates as `wrap(optax.MultiSteps(inner, k))`; `optax.MultiSteps(wrap(...))`
     is refused at `init` (`docs/guides/wrap.md`; the why: `docs/design.md`).
 
-    **Exactness.** On XLA:CPU the skip is a `lax.cond`: a skipped step runs nothing
-    of the update (a callback in it does not fire, a loop over the gradients does
-    not run) and returns the parameters and the optimizer state bit for bit; with
-    nothing to unscale (`loss_scale=None`, or a static scale of 1), `wrap(tx)` gives
-    bit for bit what `tx.update` gives run inside one `lax.cond` on the gradients in
-    their parameters' dtypes (a float16 gradient of a float32 parameter as
-    float32); and
-    `apply_gradients` and `TrainState.apply_gradients` give bit for bit what
-    `wrap(tx)` followed by `optax.apply_updates` gives. On GPUs and TPUs the skip is
-    a select: a skipped step returns the same bits, but the update runs and is
-    thrown away (a callback in it fires, a loop over the gradients runs on their
-    infs and NaNs), and `apply_gradients` compiles to the program of `wrap(tx)`
-    followed by `optax.apply_updates` (the same bits, unless the rest of the two
-    programs makes XLA fuse them otherwise).
+    **Exactness.** On XLA:CPU the skip is a `lax.cond`: a skipped step runs nothing of
+    the update (a callback in it does not fire, a loop over the gradients does not run)
+    and returns the parameters and the optimizer state bit for bit; with nothing to
+    unscale (`loss_scale=None`, or a static scale of 1), `wrap(tx)` gives bit for bit
+    what `tx.update` gives run inside one `lax.cond` on the gradients in their
+    parameters' dtypes (a float16 gradient of a float32 parameter as float32); and
+    `apply_gradients` and `TrainState.apply_gradients` give bit for bit what `wrap(tx)`
+    followed by `optax.apply_updates` gives (Flax's fp8 metadata aside, which `wrap`
+    writes as a difference: to within one float32 rounding). On GPUs and TPUs the skip
+    is a select: a skipped step returns the same bits, but the update runs and is thrown
+    away (a callback in it fires, a loop over the gradients runs on their infs and
+    NaNs), and `apply_gradients` compiles to the program of `wrap(tx)` followed by
+    `optax.apply_updates` (the same bits, unless the rest of the two programs makes XLA
+    fuse them otherwise).
 
     Args:
       inner: the optax transformation (an `optax.MultiSteps` counts micro-steps).
@@ -185,13 +185,12 @@ def _initialised_by_multisteps() -> bool:
     average the metadata). Found from the caller's frames: the wrap cannot see
     what holds it otherwise.
     """
-    frame: FrameType | None = sys._getframe(1)  # wrap's `init`
-    for _ in range(4):  # `MultiSteps.init`, or a chain or two between
-        frame = frame.f_back if frame is not None else None
-        if frame is None:
-            return False
+    # The whole stack: chains, masks and partitions nest to any depth between.
+    frame: FrameType | None = sys._getframe(2)  # wrap's `init`'s caller
+    while frame is not None:
         if isinstance(frame.f_locals.get("self"), optax.MultiSteps):
             return True
+        frame = frame.f_back
     return False
 
 

@@ -240,23 +240,9 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
 def _origins(probe: Probe, evaluation: Evaluation) -> set[int]:
     """The values (inputs, or ops' outputs) the loss's inf or NaN comes from.
 
-    As `interpret.run` blames: a forward overflow is a loss that is not finite,
-    followed back through values that are not, to an input, or to an op whose
-    inputs are all finite. So an inf that the loss does not keep, such as a
-    `-inf` attention mask that the softmax turns into zeros, is not blamed.
+    An inf that the loss does not keep, such as a `-inf` attention mask that the
+    softmax turns into zeros, is not blamed (`Probe.origins`).
     """
     if np.isfinite(evaluation.loss):
         return set()
-    bad = evaluation.bad
-    made_by = {i: op for op in probe.ops for i in op.outputs}
-    todo, reached = [i for i in probe.loss_upstream if bad[i]], set()
-    while todo:
-        i = todo.pop()
-        upstream = [j for j in made_by[i].upstream if bad[j]] if i in made_by else []
-        todo += [j for j in upstream if j not in reached]
-        reached.add(i)
-    return {
-        i
-        for i in reached
-        if i not in made_by or not any(bad[j] for j in made_by[i].upstream)
-    }
+    return probe.origins(evaluation, probe.loss_upstream)

@@ -121,7 +121,10 @@ def _unfixable(probe: Probe) -> Finding:
     left), or by a backward op at every scale.
     """
     lowest = probe(min(probe.evaluations))
-    origin = _forward_origin(probe, lowest)
+    # A forward inf or NaN is to blame if the backward pass reads it; one the
+    # backward pass does not read (a -inf padding before a max) is not.
+    sources = probe.origins(lowest, lowest.read_bad)
+    origin = _forward_origin(probe, lowest, sources) if sources else None
     if origin is not None:
         eqn, calls = origin
         made = (
@@ -152,11 +155,17 @@ def _unfixable(probe: Probe) -> Finding:
     )
 
 
-def _forward_origin(probe: Probe, evaluation: Evaluation) -> tuple[Any, Any] | None:
-    """The first forward op, in program order, that makes an inf or NaN from none."""
+def _forward_origin(
+    probe: Probe, evaluation: Evaluation, among: set[int]
+) -> tuple[Any, Any] | None:
+    """The first forward op, in program order, that makes an inf or NaN from none.
+
+    The first whose outputs are among the values `among`.
+    """
     bad = evaluation.bad
     for op in probe.ops:
-        if any(bad[i] for i in op.outputs) and not any(bad[i] for i in op.upstream):
+        outputs = [i for i in op.outputs if i in among]
+        if any(bad[i] for i in outputs) and not any(bad[i] for i in op.upstream):
             return op.eqn, op.calls
     return None
 

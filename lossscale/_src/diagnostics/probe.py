@@ -72,6 +72,9 @@ class Evaluation:
     bad: np.ndarray
     limit: float  # the scale from which a float16 backward value overflows
     first_overflow: Any  # (equation, calls) that overflowed first, or None
+    # The measured forward values that the non-finite forward values the
+    # backward pass reads come from (nearest): empty if it reads none.
+    read_bad: frozenset[int]
 
 
 class Probe:
@@ -93,6 +96,9 @@ class Probe:
         forward = needed(closed.jaxpr, [False, True] + [False] * len(problem.diff))[0]
         self.ops: list[Op] = []
         self.sites: list[Any] = []  # (equation, calls) of each backward value
+        # Each forward value a floating backward op reads: the measured ones it
+        # comes from (nearest), by the value's id.
+        self.reads: dict[int, tuple[Any, frozenset[int]]] = {}
         self.dtypes: set[str] = set()  # of the floating values computed from the scale
         self.loss_upstream: frozenset[int] = frozenset()
         # An input is its own measured value, read on the host: an inf or NaN in
@@ -116,12 +122,22 @@ class Probe:
                         for v in outputs
                         if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.floating)
                     )
+                    if any(_inexact(v) for v in outputs):
+                        read(inputs, tags)
                     if not (_moves(eqn) or eqn.primitive.name in _SUMS_OF_TWO):
                         backward.extend(halves)
                         self.sites.extend((eqn, calls) for _ in halves)
                 elif id(eqn) in forward:
                     measure(eqn, inputs, outputs, halves, calls)
                 return [is_marked] * len(outputs)
+
+            def read(inputs, tags):
+                for value, tag in zip(inputs, tags, strict=True):
+                    # Traced values: a literal or a constant is no forward value.
+                    computed = isinstance(value, jax.Array) and _inexact(value)
+                    if not tag and computed and id(value) not in self.reads:
+                        upstream = lineage.get(id(value), (None, frozenset()))[1]
+                        self.reads[id(value)] = (value, upstream)
 
             def measure(eqn, inputs, outputs, halves, calls):
                 upstream = frozenset().union(
@@ -140,7 +156,8 @@ class Probe:
 
             outputs, _ = interpret.walk(closed, args, visit, tags=marked)
             self.loss_upstream = lineage.get(id(outputs[1]), (None, frozenset()))[1]
-            return outputs, _peaks(values), _peaks(backward)
+            read_values = [value for value, _ in self.reads.values()]
+            return outputs, _peaks(values), _peaks(backward), _peaks(read_values)
 
         self._compiled = (
             jax.jit(instrumented)
@@ -153,7 +170,7 @@ class Probe:
         """The probe batch at `scale` (each scale is evaluated once)."""
         if scale not in self.evaluations:
             scale_array = jnp.asarray(scale, jnp.float32)
-            outputs, peaks, backward = jax.device_get(
+            outputs, peaks, backward, reads = jax.device_get(
                 self._compiled([*self._args, scale_array])
             )
             _, loss, *grads = outputs
@@ -176,8 +193,37 @@ class Probe:
                 bad=bad,
                 limit=scale * float(np.min(headroom, initial=np.inf)),
                 first_overflow=self.sites[reached[0]] if reached.size else None,
+                read_bad=frozenset().union(
+                    *(
+                        upstream
+                        for (_, upstream), peak in zip(
+                            self.reads.values(), reads, strict=True
+                        )
+                        if not np.isfinite(peak)
+                    )
+                ),
             )
         return self.evaluations[scale]
+
+    def origins(self, evaluation: Evaluation, values: Any) -> set[int]:
+        """Where the infs and NaNs among `values` (indices into `peaks`) come from.
+
+        Followed back through values that are not finite, to an input, or to an
+        op whose inputs are all finite (as `interpret.run` blames).
+        """
+        bad = evaluation.bad
+        made_by = {i: op for op in self.ops for i in op.outputs}
+        todo, reached = [i for i in values if bad[i]], set()
+        while todo:
+            i = todo.pop()
+            upstream = made_by[i].upstream if i in made_by else ()
+            todo += [j for j in upstream if bad[j] and j not in reached]
+            reached.add(i)
+        return {
+            i
+            for i in reached
+            if i not in made_by or not any(bad[j] for j in made_by[i].upstream)
+        }
 
 
 def needed(jaxpr: Any, outputs: list[bool]) -> tuple[set[int], list[bool]]:
@@ -220,6 +266,10 @@ def _moves(eqn: Any) -> bool:
             and float(jnp.finfo(after).max) >= float(jnp.finfo(before).max)
         )
     return eqn.primitive.name in _MOVES
+
+
+def _inexact(value: Any) -> bool:
+    return jnp.issubdtype(getattr(value, "dtype", np.int32), jnp.inexact)
 
 
 def _peaks(values: list[Any]) -> jax.Array:

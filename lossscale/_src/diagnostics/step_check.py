@@ -170,13 +170,13 @@ def _run(step, state, args, loss_scale, new_state=False):
     given = with_loss_scale(state, loss_scale)
     # Copies of every array: the step may donate its arguments, and these are
     # the caller's (the loss-scale state's counters too).
-    given, args = jax.tree.map(
+    given, copies = jax.tree.map(
         lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x,
         (given, args),
     )
     before = int(loss_scale.skipped_steps)
-    out = step(given, *args)
-    # The state as the caller holds it: `given` is a copy of it.
+    out = step(given, *copies)
+    # The caller's own objects, not the copies the step was given (and may donate).
     _refuse_donated({"state": state, "args": args, "loss_scale": loss_scale})
     paths = set(_float_leaves(state))
     if set(_float_leaves(out)) != paths and isinstance(out, tuple | list) and out:

@@ -233,8 +233,16 @@ def _rounded(tree: Any, zero: jax.Array) -> Any:
 
 
 def _negative_zeros(shapes: Any) -> Any:
-    """What a skipped step's updates are, per leaf: `p + (-0.0)` is `p`, bit for bit."""
-    return jax.tree.map(lambda s: jax.lax.full(s.shape, -0.0, s.dtype), shapes)
+    """What a skipped step's updates are, per leaf: `p + (-0.0)` is `p`, bit for bit.
+
+    A complex one's parts both: `-0.0 + 0.0` is `+0.0`.
+    """
+
+    def zeros(s):
+        complex_ = jnp.issubdtype(s.dtype, jnp.complexfloating)
+        return jax.lax.full(s.shape, complex(-0.0, -0.0) if complex_ else -0.0, s.dtype)
+
+    return jax.tree.map(zeros, shapes)
 
 
 class _Kind(NamedTuple):
