@@ -193,8 +193,7 @@ def guarded_step(
         given = jax.tree.map(lambda n, s: jax.lax.select(applied, n, s), new, stays)
         if not apply_updates:
             return given
-        updates, new_kept = given
-        return optax.apply_updates(params, updates), new_kept
+        return optax.apply_updates(params, given[0]), given[1]  # updates, kept
 
     output, new_kept = finite.per_backend(*operands, cpu=cond, gpu=select, tpu=select)
     if apply_updates:
