@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import line_of
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -264,3 +265,49 @@ def test_grad_stats_takes_a_traced_scale_unchecked():
     headroom = jax.jit(lambda s: lossscale.grad_stats(grads, s)["headroom_bits"])
     expected = np.log2(np.float32(65504.0) / (2.0 * 4.0))
     np.testing.assert_allclose(headroom(jnp.float32(4.0)), expected, rtol=1e-6)
+
+
+# -- an equation the diagnostics do not know ----------------------------------------
+
+
+def _unknown_square():
+    """A primitive of the test's own, unknown to lossscale: `x * x`, differentiable."""
+    from jax.extend import core
+    from jax.interpreters import ad
+    from jax.interpreters import mlir
+
+    square_p = core.Primitive("lossscale_test_square")
+    square_p.def_impl(lambda x: x * x)
+    square_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(square_p, mlir.lower_fun(lambda x: x * x, False))
+    ad.defjvp(square_p, lambda g, x: 2 * x * g)  # unknown-jvp-line
+    return square_p
+
+
+def test_an_unknown_equation_gets_findings_not_a_crash():
+    square_p = _unknown_square()
+
+    def loss_fn(w, x):
+        h = x.astype(jnp.float16) * w.astype(jnp.float16)
+        return jnp.sum(square_p.bind(h).astype(jnp.float32))  # unknown-op-line
+
+    w, x = jnp.ones(4), jnp.arange(4.0)
+    # Its backward overflows float16 at 2**15 (2 * 3 * 2**15): a warning at the
+    # line that defines its derivative; the reference gradient is finite.
+    report = lossscale.preflight(loss_fn, w, x)
+    codes = [(f.code, f.where) for f in report.findings]
+    assert ("gradient-overflow", line_of(__file__, "unknown-jvp-line")) in codes, report
+    np.testing.assert_array_equal(jax.grad(loss_fn)(w, x), [0.0, 2.0, 8.0, 18.0])
+    located = lossscale.locate_overflow(loss_fn, w, x, loss_scale=2.0**15)
+    assert located.kind == "backward", located
+    assert "The gradient is not finite." in str(located), located
+    # 300**2 overflows float16 in the forward pass: the unknown op is named.
+    big = x.at[0].set(300.0)
+    (finding,) = lossscale.preflight(loss_fn, w, big).findings
+    assert (finding.code, finding.where) == (
+        "forward-overflow",
+        line_of(__file__, "unknown-op-line"),
+    ), finding
+    assert "`lossscale_test_square`" in finding.message
+    located = lossscale.locate_overflow(loss_fn, w, big, loss_scale=1.0)
+    assert (located.kind, located.op) == ("forward", "lossscale_test_square"), located

@@ -557,3 +557,16 @@ def test_after_an_applied_step_the_state_is_checked_at_its_own_scale():
     )
     assert (report.kind, report.scale, report.state_scale) == (None, 2**14, None)
     assert str(report).startswith("No overflow at loss scale 16384: the loss")
+
+
+def test_a_bare_array_of_parameters_is_named_as_the_gradient():
+    # The parameters are one array (path ""): no empty list of leaf names.
+    def loss(w, y):
+        return jnp.sum(y * w)
+
+    w = jnp.ones(3, jnp.float16)
+    report = lossscale.locate_overflow(loss, w, jnp.full(3, 100.0), loss_scale=SCALE)
+    assert report.kind == "backward" and report.leaves == ("",)
+    text = str(report)
+    assert "The gradient is not finite." in text, text
+    assert "Non-finite gradients" not in text, text

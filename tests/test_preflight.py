@@ -1198,3 +1198,16 @@ def test_starting_at_report_scale_loses_no_batch_where_the_default_loses_some():
     # at which the summed loss's gradients are finite.
     assert skipped(2.0**15) > 0
     assert skipped(report.scale) == 0
+
+
+def test_gradient_underflow_of_a_bare_array_names_the_one_array():
+    def loss_fn(w, x, y):  # an auxiliary loss, weighted 1e-10
+        pred = x.astype(F16) * w.astype(F16)
+        return 1e-10 * jnp.mean((pred.astype(F32) - y) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    w, x, y = (jax.random.normal(k, (256, 16)) for k in keys)
+    report = lossscale.preflight(loss_fn, w / 4, x, y, loss_scale=4.0)
+    assert report.codes == {"gradient-underflow"}, str(report)
+    (finding,) = report.findings
+    assert finding.message.endswith(", in the one parameter array."), finding.message

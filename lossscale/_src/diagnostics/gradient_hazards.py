@@ -196,6 +196,7 @@ def _underflow(
         return []
     target = scale or best.scale
     where = problem.diff_paths[int(np.argmax(lost))]
+    most = f"the most in {where}" if where else "in the one parameter array"
     measured = (
         f"{share:.1%} of the nonzero gradient values (at {power(best.scale)}, the"
         f" largest scale probed with finite gradients) are zero at"
@@ -211,7 +212,7 @@ def _underflow(
                 severity="error",
                 message=(
                     f"The backward pass runs in float16 without loss scaling:"
-                    f" {measured}, the most in {where}. The parameters whose gradients"
+                    f" {measured}, {most}. The parameters whose gradients"
                     " are all zero do not train."
                 ),
                 where=where,
@@ -229,7 +230,7 @@ def _underflow(
         Finding(
             code="gradient-underflow",
             severity="warning",
-            message=f"{measured}, the most in {where}.",
+            message=f"{measured}, {most}.",
             where=where,
             fix=(
                 f"Start the scale at {named}: {start_at}. There {still:.1%} of the"

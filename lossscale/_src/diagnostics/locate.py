@@ -133,6 +133,8 @@ class OverflowReport:
         )
 
     def _grads(self) -> str:
+        if self.leaves == ("",):  # the parameters are one array: its path is ""
+            return " The gradient is not finite."
         return f" Non-finite gradients: {listed(self.leaves)}." if self.leaves else ""
 
 
