@@ -121,6 +121,10 @@ def check_merged(entry, form, path_name, layout_name):
     program = next(p for p, layouts in PROGRAMS.items() if layout_name in layouts)
     merged, results, error = merged_run(entry.name, program)
     key, plain = (layout_name, form, path_name), (layout_name, *steps.PLAIN)
+    if plain in merged.errors and key in merged.errors:  # nothing to compare with
+        # (on jax 0.6.1 `optax.noisy_sgd` in a `shard_map`: `jax.random.normal` with
+        # the leaf's `out_sharding` raises NotImplementedError)
+        pytest.skip(f"plain optax fails here too: {merged.errors[plain]!r}")
     for failed in (key, plain):
         if failed in merged.errors:
             raise merged.errors[failed]

@@ -259,6 +259,27 @@ def test_16_bit_checks_see_nan_anywhere_in_large_leaves(dtype, size):
     assert bool(jitted_all_finite([leaf]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 6), (3, 5)], ids=["even", "odd"])
+def test_small_16_bit_leaves_show_a_bad_element_at_every_position(
+    dtype, shape, backend_form
+):
+    # Small leaves are stacked (XLA:CPU's and XLA:GPU's forms): an inf or a NaN at
+    # any position of one leaf of the stack must show, and the finite extremes
+    # around it must not hide or fake one.
+    check = jax.jit(lambda tree: lossscale.all_finite(tree))
+    finfo = jnp.finfo(dtype)
+    edges = [finfo.max, -finfo.max, finfo.smallest_subnormal, -0.0, 0.0, 1.0]
+    leaf = np.resize(np.asarray(edges, np.float32), shape).astype(dtype)
+    assert bool(check([jnp.asarray(leaf)] * 3))
+    for position in range(leaf.size):
+        for bad in (np.nan, -np.inf):
+            poisoned = leaf.copy()
+            poisoned.flat[position] = bad
+            tree = [jnp.asarray(leaf), jnp.asarray(poisoned), jnp.asarray(leaf)]
+            assert not bool(check(tree)), (position, bad)
+
+
 def test_all_finite_ignores_integer_and_none_leaves():
     tree = {"i": jnp.arange(3), "n": None, "b": jnp.array([True]), "f": jnp.ones(2)}
     assert bool(lossscale.all_finite(tree))

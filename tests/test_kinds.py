@@ -305,6 +305,25 @@ def test_jitted_update_compiles_once_and_keeps_structure(state):
     assert step._cache_size() == 1
 
 
+@pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
+def test_update_gives_the_state_from_one_xla_cpu_kernel(state):
+    # XLA:CPU compiles a kernel for each value a program gives, about 10 ms each:
+    # the state's dozen scalars come from one.
+    cpu = jax.devices("cpu")[0]
+    state, flag = jax.device_put((state, jnp.asarray(False)), cpu)
+    compiled = jax.jit(lossscale.update).lower(state, flag).compile()
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    assert entry.count(" fusion(") == 1, entry
+    for finite in (False, True):  # and their values are `update`'s, bit for bit
+        expected = lossscale.update(state, finite)
+        for got, want in zip(
+            jax.tree.leaves(compiled(state, jnp.asarray(finite))),
+            jax.tree.leaves(expected),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_unflatten_does_not_validate_leaves():
     # Transformations put placeholders in leaves; that must not trip validation.
     state = lossscale.DynamicLossScale()

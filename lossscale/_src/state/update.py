@@ -121,7 +121,7 @@ def next_state(
         counters["overflow_leaf"] = jnp.where(
             applied, loss_scale.overflow_leaf, first_nonfinite
         )
-    return loss_scale.replace(**kept_on_forward_overflow, **counters)
+    return _in_one_kernel(loss_scale.replace(**kept_on_forward_overflow, **counters))
 
 
 def was_applied(loss_scale: LossScale) -> jax.Array:
@@ -157,3 +157,38 @@ def _ruled(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
                 " shape (the state is compiled into the step)."
             )
     return ruled
+
+
+def _in_one_kernel(state: LossScale) -> LossScale:
+    """`state`, its scalars computed in one kernel on XLA:CPU; elsewhere as it is.
+
+    XLA:CPU compiles a kernel for each value a program gives: about 10 ms of
+    compile each, for a state's dozen scalars. A variadic reduce of each scalar
+    taken twice, which keeps either, gives them all from one. Not inside `shard_map`,
+    where the reduce would make every scalar vary over the axes any one varies over.
+    """
+    if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        return state
+
+    def one_kernel(state):
+        leaves, treedef = jax.tree.flatten(state)
+        picked = [i for i, x in enumerate(leaves) if jnp.ndim(x) == 0]
+        if not picked:
+            return state
+        values = tuple(leaves[i] for i in picked)
+        twice = tuple(jax.lax.broadcast(x, (2,)) for x in values)
+        reduced = jax.lax.reduce(twice, values, _either, (0,))
+        for i, x in zip(picked, reduced, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    def as_it_is(state):
+        return state
+
+    return jax.lax.platform_dependent(
+        state, default=one_kernel, cuda=as_it_is, rocm=as_it_is, tpu=as_it_is
+    )
+
+
+def _either(a: tuple, _: tuple) -> tuple:
+    return a

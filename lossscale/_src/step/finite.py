@@ -70,8 +70,7 @@ def check(
 
 def all_finite_leaves(leaves: list[Any]) -> jax.Array:
     """Whether every element of every floating-point leaf is finite."""
-    total, _ = _reduce(leaves, square=False)
-    return jnp.isfinite(total)
+    return jnp.isfinite(_reduce(leaves, square=False)[0])
 
 
 def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:

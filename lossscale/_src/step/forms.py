@@ -8,6 +8,7 @@ Why each backend reads the gradients another way: design.md, "Checking finitenes
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -101,9 +102,7 @@ def partials(arrays, positions, square):
         total, first = _combine(probes, np.concatenate([o for o, _ in chunk]))
         totals.append(total)
         firsts.append(lax.select(lax.lt(first, np.int32(0)), np.int32(_NONE), first))
-    total, first = totals[0], firsts[0]
-    for more, later in zip(totals[1:], firsts[1:], strict=True):
-        total, first = lax.add(total, more), lax.min(first, later)
+    total, first = functools.reduce(lax.add, totals), functools.reduce(lax.min, firsts)
     return total, lax.select(lax.eq(first, np.int32(_NONE)), np.int32(-1), first)
 
 
@@ -136,9 +135,7 @@ def each(arrays, positions, square):
         nan, zero = np.float32(np.nan), np.float32(0.0)
         bad = [_any_nonfinite(leaf) for leaf in arrays]
         probes = [lax.select(flag, nan, zero) for flag in bad]
-    total = probes[0]
-    for probe in probes[1:]:
-        total = lax.add(total, probe)
+    total = functools.reduce(lax.add, probes)
     first = np.int32(-1)
     for position, flag in zip(reversed(positions), reversed(bad), strict=True):
         first = lax.select(flag, np.int32(position), first)
@@ -172,14 +169,17 @@ def _combine(probes: jax.Array, owners: np.ndarray) -> tuple[jax.Array, jax.Arra
     the probes (tree order, as `overflow_leaf` promises).
     """
     finite = lax.is_finite(probes)
-    first = lax.reduce_min(
-        lax.select(finite, np.full_like(owners, _NONE), owners), (0,)
-    )
     # Not `sum(probes)`: XLA rewrites a sum of sums into one sum over the leaves,
-    # a second read of them beside the per-leaf one.
-    inf = np.full(probes.shape, np.inf, np.float32)
-    total = lax.reduce_sum(lax.select(finite, probes, inf), (0,))
+    # a second read of them beside the per-leaf one. One reduce for both: one
+    # XLA:CPU kernel (design.md, "What XLA:CPU compiles").
+    inf, none = np.full(probes.shape, np.inf, np.float32), np.full_like(owners, _NONE)
+    both = (lax.select(finite, probes, inf), lax.select(finite, none, owners))
+    total, first = lax.reduce(both, (np.float32(0), np.int32(_NONE)), _sum_min, (0,))
     return total, lax.select(lax.eq(first, np.int32(_NONE)), np.int32(-1), first)
+
+
+def _sum_min(a: tuple, b: tuple) -> tuple:
+    return lax.add(a[0], b[0]), lax.min(a[1], b[1])
 
 
 def _sum_of_squares(values: jax.Array, axes: Any = None) -> jax.Array:

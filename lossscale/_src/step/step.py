@@ -116,7 +116,7 @@ def guarded_step(
     )
     loss = None if inputs.value is None else checks.validate_loss(inputs.value, "value")
 
-    def applied_step(grads, params, kept, norm, zero):
+    def applied_step(grads, params, kept, norm, applied):
         # What an applied step does, traced once below. With `apply_updates` it
         # gives the updates (which the select forms add after the skip, where
         # `wrap`'s caller does) and the parameters with them added (which the
@@ -127,7 +127,9 @@ def guarded_step(
             grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
         new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
         if apply_updates:  # the fp8 values are kept by a skipped step too
-            updates = _rounded(new.updates, zero)
+            # -0.0 that XLA cannot see in the cond's branch (`_rounded`); the select
+            # forms give a constant `True`, and XLA folds the add away.
+            updates = _rounded(new.updates, jnp.where(applied, -0.0, 0.0))
             added = optax.apply_updates(params, updates)
             return (updates, added), (new.carry, new.fp8)
         # The fp8 values as what `optax.apply_updates` adds to the old ones.
@@ -147,10 +149,7 @@ def guarded_step(
         (checked.grads_finite & checked.loss_finite, checked.norm)
     )
     kept = (carry, split.old) if apply_updates else carry
-    # -0.0 on an applied step, which the cond reads as a value XLA cannot see
-    # (`_rounded`); the select forms get a constant, which XLA folds away.
-    zero = jnp.where(applied, jnp.float32(-0.0), jnp.float32(0.0))
-    operands = (split.grads, split.params, kept, norm, zero)
+    operands = (split.grads, split.params, kept, norm, applied)
     # Jitted once: every form calls it, and jit traces optax's Python once; the
     # kind of each of its outputs is read while it is (`_kinds`).
     jitted = jax.jit(applied_step)
@@ -163,10 +162,10 @@ def guarded_step(
             return (_negative_zeros(shapes[0][0]), params), kept
         return _negative_zeros(shapes[0]), kept
 
-    def cond(grads, params, kept, norm, zero):
+    def cond(grads, params, kept, norm, applied):
         # Every update of the step inside one `lax.cond`: a skipped step runs
         # nothing of it; with `apply_updates`, the parameters are added there.
-        operands = (grads, params, kept, norm, zero)
+        operands = (grads, params, kept, norm, applied)
         # The two sides of the skip made one type (a select does it itself).
         joined = _join(kinds, jax.tree.map(_kind, skipped(params, kept)))
 
@@ -177,23 +176,20 @@ def guarded_step(
             return _cast(skipped(operands[1], operands[2]), joined)
 
         given = jax.lax.cond(applied, on_applied, on_skipped, operands)
-        if not apply_updates:
-            return given
-        (_, added), new_kept = given
-        return added, new_kept
+        return (given[0][1], given[1]) if apply_updates else given  # added, kept
 
     def select(grads, params, kept, norm, _):
         # A select per output; the updates added after it, as `wrap`'s caller
         # does (`p + (-0.0)` is `p`, bit for bit).
-        new = jitted(grads, params, kept, norm, jnp.float32(-0.0))
+        new = jitted(grads, params, kept, norm, True)
         stays = skipped(params, kept)
         if apply_updates:  # the parameters added to after the select, not before
             ((new, _), new_kept), ((stays, _), kept) = new, stays
             new, stays = (new, new_kept), (stays, kept)
         given = jax.tree.map(lambda n, s: jax.lax.select(applied, n, s), new, stays)
-        if not apply_updates:
-            return given
-        return optax.apply_updates(params, given[0]), given[1]  # updates, kept
+        if apply_updates:  # the updates added, and kept
+            return optax.apply_updates(params, given[0]), given[1]
+        return given
 
     output, new_kept = finite.per_backend(*operands, cpu=cond, gpu=select, tpu=select)
     if apply_updates:
@@ -211,22 +207,24 @@ def _rounded(tree: Any, zero: jax.Array) -> Any:
 
     XLA:CPU fuses an add into the multiply before it as one rounding (an FMA),
     so `p + u` gives other bits where `u` is computed in the add's kernel than
-    where it was written out first. `u + zero`, with `zero` a -0.0 known only at
+    where it was written out first. `zero + u`, with `zero` a -0.0 known only at
     run time, is `u` for every `u`, and it is that add the multiply fuses into:
     the add of `u` to `p` then rounds alone, whatever XLA fuses (design.md,
     "Where the update crosses the skip").
     """
 
-    # `lax`, not `jnp`: an operation or two per leaf of the step's trace.
+    # `lax`, not `jnp`: an operation or two per leaf of the step's trace. `zero`
+    # first: XLA:CPU then compiles one kernel for the leaves of a shape, where
+    # `u + zero` gave the first of them a kernel of its own (design.md).
     def rounded(u):
         if u is None or not jnp.issubdtype(u.dtype, jnp.inexact):
             return u
         if jnp.issubdtype(u.dtype, jnp.complexfloating):
             z = jax.lax.convert_element_type(zero, jax.lax.real(u).dtype)
             return jax.lax.complex(
-                jax.lax.add(jax.lax.real(u), z), jax.lax.add(jax.lax.imag(u), z)
+                jax.lax.add(z, jax.lax.real(u)), jax.lax.add(z, jax.lax.imag(u))
             )
-        return jax.lax.add(u, jax.lax.convert_element_type(zero, u.dtype))
+        return jax.lax.add(jax.lax.convert_element_type(zero, u.dtype), u)
 
     return jax.tree.map(rounded, tree, is_leaf=lambda x: x is None)
 

@@ -107,7 +107,8 @@ def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:
     wide = wide_dtype(grad.dtype)
     if inverse.dtype != wide:
         inverse = lax.convert_element_type(inverse, wide)
-    return lax.mul(lax.convert_element_type(grad, wide), inverse)
+    # The scalar first, as in `step._rounded`: one XLA:CPU kernel per leaf shape.
+    return lax.mul(inverse, lax.convert_element_type(grad, wide))
 
 
 def _inf_where_overflowing(value: jax.Array, dtype: Any) -> jax.Array:
@@ -127,17 +128,14 @@ def _target_dtypes(leaves: list[Any], treedef: Any, params: Any) -> list[Any]:
     dtypes = [None if g is None else jnp.result_type(g) for g in leaves]
     if params is None:
         return dtypes
-    for i, (dtype, param) in enumerate(
-        zip(dtypes, treedef.flatten_up_to(params), strict=True)
-    ):
-        param_dtype = getattr(param, "dtype", None)
+    for i, param in enumerate(treedef.flatten_up_to(params)):
+        wide = getattr(param, "dtype", None)
         if (
-            dtype is not None
-            and param_dtype is not None
-            and jnp.issubdtype(param_dtype, jnp.floating)
-            and jnp.dtype(param_dtype).itemsize > dtype.itemsize
+            dtypes[i] is not None
+            and wide is not None
+            and jnp.issubdtype(wide, jnp.floating)
         ):
-            dtypes[i] = jnp.dtype(param_dtype)
+            dtypes[i] = max(dtypes[i], jnp.dtype(wide), key=lambda d: d.itemsize)
     return dtypes
 
 
