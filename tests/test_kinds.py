@@ -324,6 +324,20 @@ def test_update_gives_the_state_from_one_xla_cpu_kernel(state):
             np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("state", KINDS, ids=lambda s: type(s).__name__)
+def test_update_under_vmap_is_each_states_update(state):
+    # A batch of states (one per seed, say): each moves as it would alone.
+    flags = jnp.asarray([True, False, True, False])
+    states = jax.tree.map(lambda x: jnp.stack([x] * 4), state)
+    batched = jax.jit(jax.vmap(lossscale.update))(states, flags)
+    for k, finite in enumerate(flags):
+        alone = lossscale.update(state, finite)
+        for got, want in zip(
+            jax.tree.leaves(batched), jax.tree.leaves(alone), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(got)[k], want)
+
+
 def test_unflatten_does_not_validate_leaves():
     # Transformations put placeholders in leaves; that must not trip validation.
     state = lossscale.DynamicLossScale()

@@ -164,8 +164,9 @@ def _in_one_kernel(state: LossScale) -> LossScale:
 
     XLA:CPU compiles a kernel for each value a program gives: about 10 ms of
     compile each, for a state's dozen scalars. A variadic reduce of each scalar
-    taken twice, which keeps either, gives them all from one. Not inside `shard_map`,
-    where the reduce would make every scalar vary over the axes any one varies over.
+    beside its sum's or its `or`'s identity (`x + (-0.0)` is `x`, bit for bit) gives
+    them all from one. Not inside `shard_map`, where the reduce would make every
+    scalar vary over the axes any one varies over.
     """
     if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
         return state
@@ -173,11 +174,14 @@ def _in_one_kernel(state: LossScale) -> LossScale:
     def one_kernel(state):
         leaves, treedef = jax.tree.flatten(state)
         picked = [i for i, x in enumerate(leaves) if jnp.ndim(x) == 0]
+        picked = [i for i in picked if _identity(leaves[i].dtype) is not None]
         if not picked:
             return state
-        values = tuple(leaves[i] for i in picked)
-        twice = tuple(jax.lax.broadcast(x, (2,)) for x in values)
-        reduced = jax.lax.reduce(twice, values, _either, (0,))
+        units = [
+            jnp.asarray(_identity(leaves[i].dtype), leaves[i].dtype) for i in picked
+        ]
+        pairs = [jnp.stack([leaves[i], u]) for i, u in zip(picked, units, strict=True)]
+        reduced = jax.lax.reduce(tuple(pairs), tuple(units), _or_add, (0,))
         for i, x in zip(picked, reduced, strict=True):
             leaves[i] = x
         return jax.tree.unflatten(treedef, leaves)
@@ -190,5 +194,16 @@ def _in_one_kernel(state: LossScale) -> LossScale:
     )
 
 
-def _either(a: tuple, _: tuple) -> tuple:
-    return a
+def _identity(dtype: jnp.dtype) -> bool | int | float | None:
+    """The identity of `_or_add` for `dtype`, or None for a dtype it does not take."""
+    if dtype == jnp.bool_:
+        return False
+    if jnp.issubdtype(dtype, jnp.integer):
+        return 0
+    return -0.0 if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def _or_add(a: tuple, b: tuple) -> tuple:
+    return tuple(
+        x | y if x.dtype == jnp.bool_ else x + y for x, y in zip(a, b, strict=True)
+    )
