@@ -182,19 +182,20 @@ def hlo_instructions(hlo_text):
     return instructions
 
 
+def _bytes_and_temp(step, *args):
+    """XLA's bytes accessed and temp buffer bytes of `step`, its first two donated."""
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
+
+
 def compiled_costs(tx, params, grads):
     def step(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    compiled = (
-        jax.jit(step, donate_argnums=(0, 1))
-        .lower(params, tx.init(params), grads)
-        .compile()
-    )
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
+    return _bytes_and_temp(step, params, tx.init(params), grads)
 
 
 def cond_floor_costs(params, grads, *, apply_updates=True):
@@ -229,14 +230,7 @@ def cond_floor_costs(params, grads, *, apply_updates=True):
             return new, opt_state
         return optax.apply_updates(params, new), opt_state
 
-    compiled = (
-        jax.jit(step, donate_argnums=(0, 1))
-        .lower(params, tx.init(params), grads)
-        .compile()
-    )
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return cost["bytes accessed"], compiled.memory_analysis().temp_size_in_bytes
+    return _bytes_and_temp(step, params, tx.init(params), grads)
 
 
 DEVICES = jax.devices("cpu")
