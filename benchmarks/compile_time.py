@@ -20,7 +20,9 @@ leaf). `--parts mlp,transformer` compile the whole float16 train step instead
 (forward, backward and Adam, float32 parameters; the baseline is the same step
 without loss scaling): a deep MLP of tanh layers of width 64 (two leaves a layer)
 and `train_step.py`'s transformer, unscanned, at width 64 (six leaves a block, two
-more). `--target h100` or `tpu-v5e`/`tpu-v5p` compiles for that device without one
+more). `--parts check` compiles the finiteness check alone (`lossscale.all_finite`)
+against a `jnp.isfinite` reduction per leaf, `optax.apply_if_finite`'s check, the
+baseline there. `--target h100` or `tpu-v5e`/`tpu-v5p` compiles for that device without one
 (as `compiled.py`, in its virtual environment). A peer that fails is reported as
 failed, with the reason; a variant capped
 by `--cap` (Flax's recipe and mpx, whose compile time grows much faster than
@@ -119,6 +121,30 @@ def small_transformer(key, leaves: int):
 PARTS = {"mlp": deep_mlp, "transformer": small_transformer}
 
 
+def _check_only(check):
+    """A step that only checks the gradients (the parameters pass through)."""
+
+    def make(params):
+        return (lambda params, state, grads: (params, check(grads))), ()
+
+    return make
+
+
+def _per_leaf(grads):
+    """`optax.apply_if_finite`'s check: a reduction per leaf."""
+    leaves = jax.tree.leaves(grads)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))
+
+
+# `--parts check`: the finiteness check alone, this backend's form against
+# apply_if_finite's (design.md, "Checking finiteness").
+CHECK_PEER = "jnp.isfinite per leaf (optax.apply_if_finite's check)"
+CHECKS = {
+    CHECK_PEER: _check_only(_per_leaf),
+    "lossscale.all_finite": _check_only(lossscale.all_finite),
+}
+
+
 def measure(make, params, third, device=None) -> dict:
     """Trace and lower, then compile, the jitted step; XLA's figures of it."""
     params = jax.tree.map(jnp.copy, params)
@@ -150,9 +176,11 @@ def measure(make, params, third, device=None) -> dict:
 
 def run(part, names, leaves, grad_dtype, repeats, caps=None, device=None):
     """Every variant of `part` at `leaves`, each jitted afresh, `repeats` times."""
-    if part == "optimizer":
+    if part in ("optimizer", "check"):
         params, third = make_trees(leaves, grad_dtype)
         variants, baseline = optimizer_step.VARIANTS, BASELINE
+        if part == "check":
+            variants, baseline = CHECKS, CHECK_PEER
     else:
         params, third, loss_fn = PARTS[part](jax.random.key(0), leaves)
         variants = {name: make(loss_fn) for name, make in train_step.VARIANTS.items()}
@@ -178,7 +206,7 @@ def run(part, names, leaves, grad_dtype, repeats, caps=None, device=None):
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:140]}"
         rows.append(row)
     base = {r["variant"]: r for r in rows}
-    peer = PEER if part == "optimizer" else TRAIN_PEER
+    peer = {"optimizer": PEER, "check": CHECK_PEER}.get(part, TRAIN_PEER)
     for row in rows:
         if row["error"]:
             continue
@@ -245,7 +273,7 @@ def write(rows, out: str, argv, target: str) -> None:
         " bytes / baseline's |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    baselines = (BASELINE, train_step.BASELINE)
+    baselines = (BASELINE, train_step.BASELINE, CHECK_PEER)
     base_bytes = {
         (r["part"], r["leaves"], r["grad_dtype"]): r.get("bytes_accessed")
         for r in rows
@@ -282,7 +310,9 @@ def main(argv=None):
     parser.add_argument("--leaves", default="100,300,1000,3000")
     parser.add_argument("--grad-dtypes", default="float32,bfloat16")
     parser.add_argument(
-        "--parts", default="optimizer", help="of: optimizer, mlp, transformer"
+        "--parts",
+        default="optimizer",
+        help="of: optimizer, mlp, transformer, check (the finiteness check alone)",
     )
     parser.add_argument(
         "--target", default="cpu", choices=["cpu", "h100", "tpu-v5e", "tpu-v5p"]
@@ -318,9 +348,11 @@ def main(argv=None):
         for part, n in (item.rsplit("=", 1) for item in args.cap.split(",") if item)
     }
     parts = args.parts.split(",")
-    unknown = [p for p in parts if p != "optimizer" and p not in PARTS]
+    unknown = [p for p in parts if p not in ("optimizer", "check", *PARTS)]
     if unknown:
-        parser.error(f"--parts: unknown {unknown}; known: optimizer, {list(PARTS)}")
+        parser.error(
+            f"--parts: unknown {unknown}; known: optimizer, check, {list(PARTS)}"
+        )
     device = None
     if args.target != "cpu":
         import compiled as aot
@@ -341,13 +373,16 @@ def main(argv=None):
 
     names = {
         "optimizer": chosen(optimizer_step.VARIANTS, (BASELINE, PEER)),
+        "check": list(CHECKS),
         **{
             part: chosen(train_step.VARIANTS, (train_step.BASELINE, TRAIN_PEER))
             for part in PARTS
         },
     }
     dtypes = {
-        part: args.grad_dtypes.split(",") if part == "optimizer" else ["float16"]
+        part: args.grad_dtypes.split(",")
+        if part in ("optimizer", "check")
+        else ["float16"]
         for part in parts
     }
     print("warming JAX's caches at 10 leaves", file=sys.stderr)
