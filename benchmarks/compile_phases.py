@@ -25,11 +25,9 @@ import subprocess
 import sys
 import time
 
+import compile_time  # noqa: E402
 import jax
 import jax.numpy as jnp
-
-sys.path.insert(0, os.path.dirname(__file__))
-import compile_time  # noqa: E402
 import optimizer_step  # noqa: E402
 import train_step  # noqa: E402
 

@@ -22,11 +22,11 @@ without loss scaling): a deep MLP of tanh layers of width 64 (two leaves a layer
 and `train_step.py`'s transformer, unscanned, at width 64 (six leaves a block, two
 more). `--parts check` compiles the finiteness check alone (`lossscale.all_finite`)
 against a `jnp.isfinite` reduction per leaf, `optax.apply_if_finite`'s check, the
-baseline there. `--target h100` or `tpu-v5e`/`tpu-v5p` compiles for that device without one
-(as `compiled.py`, in its virtual environment). A peer that fails is reported as
-failed, with the reason; a variant capped
-by `--cap` (Flax's recipe and mpx, whose compile time grows much faster than
-linearly: 48 s at 300 leaves) is not run above its cap.
+baseline there. `--target h100` or `tpu-v5e`/`tpu-v5p` compiles for that device
+without one (as `compiled.py`, in its virtual environment). A peer that fails is
+reported as failed, with the reason; a variant capped by `--cap` (Flax's recipe and
+mpx, whose compile time grows much faster than linearly: 48 s at 300 leaves) is not
+run above its cap.
 Results: a table on stdout and `benchmarks/results/compile_time.{json,md}` (`--out`).
 """
 
@@ -54,12 +54,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-import lossscale  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 import optimizer_step  # noqa: E402
 import train_step  # noqa: E402
+
+import lossscale  # noqa: E402
 
 BASELINE = "plain optax step (baseline)"
 PEER = "optax.apply_if_finite(tx)"

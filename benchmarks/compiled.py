@@ -50,14 +50,12 @@ import traceback  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-import lossscale  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 import optimizer_step  # noqa: E402
 import train_step  # noqa: E402
 import xla_counts  # noqa: E402
 from h100_spec import H100_SXM  # noqa: E402
+
+import lossscale  # noqa: E402
 
 BASELINE = "plain optax step (baseline)"
 TRAIN_BASELINE = train_step.BASELINE

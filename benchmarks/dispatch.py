@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-sys.path.insert(0, os.path.dirname(__file__))
 import report  # noqa: E402
 
 import lossscale  # noqa: E402

@@ -28,8 +28,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(__file__))
 import report  # noqa: E402
 
 

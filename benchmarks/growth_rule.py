@@ -27,11 +27,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+import language_model  # noqa: E402
 import numpy as np
 import optax
-
-sys.path.insert(0, os.path.dirname(__file__))
-import language_model  # noqa: E402
 
 import lossscale  # noqa: E402
 from lossscale import demo  # noqa: E402

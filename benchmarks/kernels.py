@@ -24,8 +24,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
-sys.path.insert(0, os.path.dirname(__file__))
 import optimizer_step  # noqa: E402
 import profiling  # noqa: E402
 import report  # noqa: E402

@@ -29,12 +29,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-import lossscale  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
 import report  # noqa: E402
+
+import lossscale  # noqa: E402
 
 LR = 1e-3
 SCALE = 2.0**15

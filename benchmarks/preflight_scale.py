@@ -1,4 +1,4 @@
-"""Starting a dynamic scale at `lossscale.preflight`'s `report.scale`, and its cost.
+"""Starting a dynamic scale at `diagnostics.preflight`'s `report.scale`, and its cost.
 
     python benchmarks/preflight_scale.py                 # everything (15 min, 2 CPUs)
     python benchmarks/preflight_scale.py --only time     # the timing alone
@@ -31,14 +31,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import language_model  # noqa: E402
 import numpy as np
 import optax
 
 import lossscale
 from lossscale import demo
-
-sys.path.insert(0, os.path.dirname(__file__))
-import language_model  # noqa: E402
 
 F16, F32 = jnp.float16, jnp.float32
 
@@ -95,7 +93,7 @@ def skipped_batches(loss_fn, params, batch, start, steps, learning_rate):
 
 def compare(name, problem, steps, learning_rate, lines):
     loss_fn, params, batch = problem
-    report = lossscale.preflight(loss_fn, params, *batch(0))
+    report = lossscale.diagnostics.preflight(loss_fn, params, *batch(0))
     print(f"== {name}\n{report}\n", flush=True)
     row = [name, str(steps)]
     for start in (2.0**15, report.scale):
@@ -111,7 +109,7 @@ def compare_demo(lines, steps):
     data = demo.load_digits(0)
     (x, y), _ = data
     params = demo.init_mlp(jax.random.key(0), demo.SIZES)
-    report = lossscale.preflight(
+    report = lossscale.diagnostics.preflight(
         demo.loss_fn, params, jnp.asarray(x), jnp.asarray(y), F16
     )
     print(f"== the demo (python -m lossscale.demo)\n{report}\n", flush=True)
@@ -132,7 +130,7 @@ def timing(lines):
     x, y = batch(0)
     tx = lossscale.wrap(optax.adam(1e-3))
     start = time.perf_counter()
-    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y, optimizer=tx)
     seconds = time.perf_counter() - start
     print(f"== language model, {count / 1e6:.1f}M parameters\n{report}\n", flush=True)
 
@@ -193,7 +191,7 @@ def trained_steps(lines, steps):
     for name, inner in (("SGD 0.5", optax.sgd(0.5)), ("Adam 3e-3", optax.adam(3e-3))):
         for kind in ("right", "unscaled loss", "clip before wrap"):
             step, state = make(kind, inner)
-            codes = sorted(lossscale.preflight_step(step, state).codes)
+            codes = sorted(lossscale.diagnostics.preflight_step(step, state).codes)
             for _ in range(steps):
                 state = step(state)
             logits = demo.logits_fn(state[0], jnp.asarray(x_test), F16)
@@ -208,14 +206,14 @@ def reports():
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 100, 2000, 3e-5)
     for name, loss_scale in (("dynamic", "dynamic"), ("no", None)):
         tx = lossscale.wrap(optax.adam(schedule), loss_scale)  # as `demo.train`
-        report = lossscale.preflight(
+        report = lossscale.diagnostics.preflight(
             demo.loss_fn, params, jnp.asarray(x), jnp.asarray(y), F16, optimizer=tx
         )
         print(f"== python -m lossscale.demo, float16, {name} loss scaling\n{report}\n")
     loss_fn, params, batch = language_model_problem()
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, 200, 1e-4)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
-    report = lossscale.preflight(
+    report = lossscale.diagnostics.preflight(
         loss_fn,
         params,
         *batch(0),

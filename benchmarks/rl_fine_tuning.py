@@ -15,8 +15,8 @@ clipped GRPO step with lossscale). In one process:
    and the trainer (the full-sequence forward) in float32, bfloat16 and float16,
    on 64 held-out prompts of 16 bytes and continuations of each of
    `--lengths` bytes: `rl_float16.mismatch`'s figures.
-3. `lossscale.preflight` of the RL loss on the first batch, per precision, and of
-   the same loss divided by a 10,000 times larger token count.
+3. `lossscale.diagnostics.preflight` of the RL loss on the first batch, per
+   precision, and of the same loss divided by a 10,000 times larger token count.
 4. RL fine-tuning over `--seeds` in float32, bfloat16, float16 with lossscale
    (a dynamic scale) and float16 without: reward, mismatch, loss scale and
    skipped steps per step; every `--underflow-every` steps, the share of gradient
@@ -239,7 +239,7 @@ def preflight_at_scale(params, batch, args, factor):
         ("no loss scaling", lossscale.NoOpLossScale()),
         ("dynamic", lossscale.DynamicLossScale()),
     ]:
-        report = lossscale.preflight(
+        report = lossscale.diagnostics.preflight(
             loss_fn,
             params,
             *batch[:3],

@@ -31,12 +31,10 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-
-import lossscale  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 import peers  # noqa: E402
 import report  # noqa: E402
+
+import lossscale  # noqa: E402
 
 LR = 1e-3
 SCALE = 2.0**15

@@ -326,7 +326,8 @@ def restore_or_start(args, params, state):
     saved = manager.restore(
         latest, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore())
     ).loss_scale
-    lossscale.check_config(saved, state)  # the same kind and settings as the code's
+    # The same kind and settings as the code's:
+    lossscale.checkpoints.check_config(saved, state)
     target = jax.tree.map(
         ocp.utils.to_shape_dtype_struct, {"params": params, "state": state}
     )

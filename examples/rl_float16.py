@@ -30,13 +30,14 @@ projection in float32. A cast rounds to nearest, so this gives the same 16-bit
 weights as a copy cast once per weight sync, which is what an inference engine
 holds: the mismatch does not come from the weights.
 
-The step is lossscale's recipe: `lossscale.preflight` once on the first batch (a
-dynamic scale starts where `start_scale` says), then `lossscale.value_and_grad` and
-`lossscale.apply_gradients` in a jitted step. The example prints the preflight
-report (stderr), then one line per step (`--print-every`): the step, the mean
-reward, the mean |log p_trainer - log p_sampler| of the sampled bytes, the largest
-importance ratio p_trainer / p_sampler, the global norm of the unscaled gradients,
-the loss scale and the skipped steps so far; and a summary at the end.
+The step is lossscale's recipe: `lossscale.diagnostics.preflight` once on the first
+batch (a dynamic scale starts where `start_scale` says), then
+`lossscale.value_and_grad` and `lossscale.apply_gradients` in a jitted step. The
+example prints the preflight report (stderr), then one line per step
+(`--print-every`): the step, the mean reward, the mean |log p_trainer - log p_sampler|
+of the sampled bytes, the largest importance ratio p_trainer / p_sampler, the global
+norm of the unscaled gradients, the loss scale and the skipped steps so far; and a
+summary at the end.
 `benchmarks/rl_fine_tuning.py` runs it over precisions and seeds and measures what
 it does not: the gradients lost to underflow. `benchmarks/rl_long_run.py` runs it
 for hundreds of steps on a larger model, on a GPU.
@@ -722,8 +723,8 @@ def fine_tune(
       new_tokens: bytes sampled per continuation.
       learning_rate: Adam's.
       heads: the model's attention heads (its parameters do not say).
-      run_preflight: run `lossscale.preflight` on the first batch (and print it);
-        a dynamic scale then starts where `start_scale` says.
+      run_preflight: run `lossscale.diagnostics.preflight` on the first batch (and
+        print it); a dynamic scale then starts where `start_scale` says.
       on_step: called as `on_step(step, params, batch, loss_scale)` before each
         update, `batch` as `rollout` returns it (the benchmark measures the
         gradients lost to underflow there). If it returns True, the run ends
@@ -774,7 +775,7 @@ def fine_tune(
         # Once, before training, on a real batch: what in this program would fail
         # in float16, and where a dynamic scale should start.
         with _matmul_precision(matmul_precision):
-            report = lossscale.preflight(
+            report = lossscale.diagnostics.preflight(
                 run.loss_fn,
                 params,
                 *batch[:3],

@@ -113,7 +113,9 @@ def train(
         loss, grads = lossscale.value_and_grad(loss_fn)(
             opt_state, params, x_train, y_train, dtype
         )
-        stats = lossscale.grad_stats(lossscale.unscale_grads(grads, opt_state))
+        stats = lossscale.diagnostics.grad_stats(
+            lossscale.unscale_grads(grads, opt_state)
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         scale = lossscale.metrics(opt_state)["loss_scale"]
         record = (loss, scale, stats["zero_fraction"])

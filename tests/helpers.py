@@ -148,7 +148,7 @@ def restore(directory, step, target):
         saved = manager.restore(
             step, args=ocp.args.Composite(loss_scale=ocp.args.JsonRestore())
         ).loss_scale
-        lossscale.check_config(saved, target)
+        lossscale.checkpoints.check_config(saved, target)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         return manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))

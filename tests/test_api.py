@@ -1,13 +1,15 @@
 """The public API: explicit exports, each documented with a runnable example."""
 
 import inspect
+import re
 
 import pytest
 
 import lossscale
 import lossscale.flax
+from lossscale._src.compat import moved
 
-MODULES = (lossscale, lossscale.flax)
+MODULES = (lossscale, lossscale.checkpoints, lossscale.diagnostics, lossscale.flax)
 PUBLIC = [(module, name) for module in MODULES for name in module.__all__]
 
 
@@ -43,3 +45,33 @@ def test_importing_lossscale_does_not_import_flax():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", sorted(moved.MOVED))
+def test_a_name_04_moved_is_its_new_home_with_a_warning_at_the_callers_line(name):
+    module, new = moved.MOVED[name]
+    with pytest.warns(DeprecationWarning, match=f"is `{module}.{new}`") as record:
+        alias = getattr(lossscale, name)
+    assert record[0].filename == __file__
+    assert alias is getattr(__import__(module, fromlist=[new]), new)
+    assert name not in lossscale.__all__
+
+
+@pytest.mark.parametrize("name", sorted(moved.RETIRED))
+def test_a_versioned_checkpoint_name_says_what_replaces_it(name):
+    instead = moved.RETIRED[name][1]
+    with pytest.warns(DeprecationWarning, match=re.escape(instead)):
+        alias = getattr(lossscale, name)
+    assert callable(alias) and alias.__name__ == name
+    assert name not in lossscale.__all__
+
+
+def test_a_moved_name_imports_from_the_top_level_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="lossscale.diagnostics.preflight"):
+        from lossscale import preflight
+    assert preflight is lossscale.diagnostics.preflight
+
+
+def test_no_public_name_carries_a_version_number():
+    for module in MODULES:
+        assert not [n for n in module.__all__ if re.search(r"\d", n)], module

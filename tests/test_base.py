@@ -237,7 +237,7 @@ def test_custom_kinds_round_trip_config_pickle_and_copies(state):
     rebuilt = lossscale.LossScale.from_config(saved)
     assert type(rebuilt) is type(state) and rebuilt.get_config() == saved
     assert type(state).from_config(saved).get_config() == saved
-    lossscale.check_config(saved, state)
+    lossscale.checkpoints.check_config(saved, state)
     for copied in [
         pickle.loads(pickle.dumps(state)),
         copy.deepcopy(state),
@@ -250,9 +250,9 @@ def test_custom_kinds_round_trip_config_pickle_and_copies(state):
 def test_check_config_tells_custom_settings_apart():
     saved = DoublingLossScale(period=2).get_config()
     with pytest.raises(ValueError, match="period: checkpoint 2, code 3"):
-        lossscale.check_config(saved, DoublingLossScale(period=3))
+        lossscale.checkpoints.check_config(saved, DoublingLossScale(period=3))
     with pytest.raises(ValueError, match="kind"):
-        lossscale.check_config(saved, AddOneLossScale())
+        lossscale.checkpoints.check_config(saved, AddOneLossScale())
 
 
 def test_from_config_of_one_kind_refuses_another():
@@ -679,7 +679,7 @@ def test_sparse_gradients_are_refused_before_a_duplicate_overflow_can_hide():
             opt_state=optax.sgd(0.1).init(params),
             loss_scale=lossscale.NoOpLossScale(),
         ),
-        lambda: lossscale.grad_stats(grads),
+        lambda: lossscale.diagnostics.grad_stats(grads),
     ]
     for call in calls:
         with pytest.raises(TypeError, match=r"sparse `BCOO` at \['w'\].*todense"):

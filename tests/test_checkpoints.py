@@ -17,6 +17,13 @@ import pytest
 import lossscale
 import lossscale.flax
 
+# 0.3's functions behind the deprecated `lossscale.<name>` aliases, which
+# `lossscale.checkpoints.layout` and `upgrade` call: their own edge cases.
+from lossscale._src.compat.checkpoint_0_3_0 import checkpoint_0_3_0_layout
+from lossscale._src.compat.checkpoint_0_3_0 import from_checkpoint_0_3_0
+from lossscale._src.compat.checkpoints import checkpoint_0_2_layout
+from lossscale._src.compat.checkpoints import from_checkpoint_0_2
+
 STATES = [
     lossscale.NoOpLossScale(),
     lossscale.StaticLossScale(0.7),
@@ -40,7 +47,7 @@ def test_config_survives_json_and_rebuilds_the_same_settings(state):
     assert type(rebuilt) is type(state)
     assert jax.tree.structure(rebuilt) == jax.tree.structure(state)  # settings
     assert rebuilt.get_config() == saved
-    lossscale.check_config(saved, state)
+    lossscale.checkpoints.check_config(saved, state)
 
 
 def test_config_reads_through_optimizer_states():
@@ -61,10 +68,10 @@ def test_from_config_starts_a_dynamic_scale_within_its_bounds():
 def test_check_config_refuses_every_other_kind_or_setting(first, second):
     saved = first.get_config()
     if first is second:
-        lossscale.check_config(saved, second)
+        lossscale.checkpoints.check_config(saved, second)
     else:
         with pytest.raises(ValueError, match="another loss scale than the code's"):
-            lossscale.check_config(saved, second)
+            lossscale.checkpoints.check_config(saved, second)
 
 
 @pytest.mark.parametrize(
@@ -110,17 +117,17 @@ def test_a_malformed_config_is_refused_naming_the_key_and_what_is_allowed(saved,
     with pytest.raises(ValueError, match=match):
         lossscale.LossScale.from_config(saved)
     with pytest.raises(ValueError, match=match):
-        lossscale.check_config(saved, lossscale.DynamicLossScale())
+        lossscale.checkpoints.check_config(saved, lossscale.DynamicLossScale())
     if not (isinstance(saved, dict) and isinstance(saved.get("kind"), str)):
         # The layout reads only the kind: refused alike.
         with pytest.raises(ValueError, match=match):
-            lossscale.checkpoint_0_2_layout(saved)
+            checkpoint_0_2_layout(saved)
 
 
 def test_check_config_with_its_arguments_swapped_says_so():
     state = lossscale.DynamicLossScale()
     with pytest.raises(TypeError, match="swap them"):
-        lossscale.check_config(state, state.get_config())
+        lossscale.checkpoints.check_config(state, state.get_config())
 
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -145,18 +152,18 @@ def restore_0_2(directory):
         target = {
             "params": params,
             "opt_state": opt_state._replace(
-                loss_scale=lossscale.checkpoint_0_2_layout(configs.dynamic_config)
+                loss_scale=checkpoint_0_2_layout(configs.dynamic_config)
             ),
-            "static": lossscale.checkpoint_0_2_layout(configs.static_config),
+            "static": checkpoint_0_2_layout(configs.static_config),
         }
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         restored = manager.restore(
             7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
         ).state
-    dynamic = lossscale.from_checkpoint_0_2(
+    dynamic = from_checkpoint_0_2(
         restored["opt_state"].loss_scale, configs.dynamic_config
     )
-    static = lossscale.from_checkpoint_0_2(restored["static"], configs.static_config)
+    static = from_checkpoint_0_2(restored["static"], configs.static_config)
     return restored, dynamic, static, configs
 
 
@@ -183,7 +190,7 @@ def test_a_restored_0_2_state_trains_on():
     tx = lossscale.wrap(optax.adam(1e-2), lossscale.DynamicLossScale())
     # As restored, the state goes back into the optimizer state and steps on:
     # one more finite step makes 2 in a row, the next the 3rd: the scale grows.
-    restored = lossscale.from_checkpoint_0_2(
+    restored = from_checkpoint_0_2(
         {
             "int32_fields": np.array([2, 0, 0, 0, 1, 2], np.int32),
             "float32_fields": np.array([512.0], np.float32),
@@ -212,7 +219,7 @@ def test_a_restored_0_2_state_trains_on():
 )
 def test_arrays_of_another_layout_are_refused(arrays, config, match):
     with pytest.raises(ValueError, match=match):
-        lossscale.from_checkpoint_0_2(arrays, config)
+        from_checkpoint_0_2(arrays, config)
 
 
 def stacked_0_2_arrays(devices):
@@ -228,20 +235,18 @@ def test_a_pmap_stacked_0_2_state_restores_stacked_and_steps_under_pmap():
     # Issue 33: `overflow_leaf` (new in 0.3) stayed a scalar, so pmap refused it.
     devices = jax.local_device_count()
     config = lossscale.DynamicLossScale(growth_interval=3, hysteresis=2).get_config()
-    layout = lossscale.checkpoint_0_2_layout(config, batch_shape=(devices,))
+    layout = checkpoint_0_2_layout(config, batch_shape=(devices,))
     arrays = stacked_0_2_arrays(devices)
     assert {k: v.shape for k, v in layout.items()} == {
         k: v.shape for k, v in arrays.items()
     }
-    state = lossscale.from_checkpoint_0_2(arrays, config)
+    state = from_checkpoint_0_2(arrays, config)
     for name, leaf in zip(type(state)._leaves, jax.tree.leaves(state), strict=True):
         assert leaf.shape == (devices,), (name, leaf.shape)
     np.testing.assert_array_equal(state.overflow_leaf, np.full(devices, -1))
     stepped = jax.pmap(lambda s: lossscale.update(s, jnp.asarray(True)))(state)
     for device in range(devices):
-        one = lossscale.from_checkpoint_0_2(
-            {k: v[device] for k, v in arrays.items()}, config
-        )
+        one = from_checkpoint_0_2({k: v[device] for k, v in arrays.items()}, config)
         expected = lossscale.update(one, jnp.asarray(True))
         for got, want in zip(
             jax.tree.leaves(stepped), jax.tree.leaves(expected), strict=True
@@ -253,28 +258,28 @@ def test_stacked_arrays_must_agree_on_their_leading_shape():
     arrays = stacked_0_2_arrays(4)
     arrays["float32_fields"] = arrays["float32_fields"][:2]
     with pytest.raises(ValueError, match="after the leading dimensions"):
-        lossscale.from_checkpoint_0_2(arrays, DYNAMIC_CONFIG)
+        from_checkpoint_0_2(arrays, DYNAMIC_CONFIG)
 
 
 def test_the_layout_given_instead_of_the_restored_arrays_says_what_to_pass():
     # Issue 33: an unclear `int()` TypeError.
-    layout = lossscale.checkpoint_0_2_layout(DYNAMIC_CONFIG)
+    layout = checkpoint_0_2_layout(DYNAMIC_CONFIG)
     with pytest.raises(TypeError, match="restore target.*pass the restored arrays"):
-        lossscale.from_checkpoint_0_2(layout, DYNAMIC_CONFIG)
+        from_checkpoint_0_2(layout, DYNAMIC_CONFIG)
 
 
 def test_other_mix_ups_of_from_checkpoint_0_2_say_what_to_pass():
     arrays = stacked_0_2_arrays(1)
     arrays = {k: v[0] for k, v in arrays.items()}
     with pytest.raises(TypeError, match="swap them"):
-        lossscale.from_checkpoint_0_2(DYNAMIC_CONFIG, arrays)
+        from_checkpoint_0_2(DYNAMIC_CONFIG, arrays)
     with pytest.raises(TypeError, match="a 0.3 state already: use it as it is"):
-        lossscale.from_checkpoint_0_2(lossscale.DynamicLossScale(), DYNAMIC_CONFIG)
+        from_checkpoint_0_2(lossscale.DynamicLossScale(), DYNAMIC_CONFIG)
     restored = {"params": {"w": np.zeros(2)}, "opt_state": {"loss_scale": arrays}}
     with pytest.raises(ValueError, match=r"at `arrays\['opt_state'\]\['loss_scale'\]`"):
-        lossscale.from_checkpoint_0_2(restored, DYNAMIC_CONFIG)
+        from_checkpoint_0_2(restored, DYNAMIC_CONFIG)
     with pytest.raises(TypeError, match="`batch_shape` must be a tuple of ints"):
-        lossscale.checkpoint_0_2_layout(DYNAMIC_CONFIG, batch_shape=8)
+        checkpoint_0_2_layout(DYNAMIC_CONFIG, batch_shape=8)
 
 
 # -- a lossscale 0.3.0 checkpoint (`data/checkpoint_0_3_0`, written by 0.3.0 with
@@ -329,16 +334,16 @@ def test_a_0_3_0_checkpoint_restores_every_field_through_its_layout(tmp_path):
             manager.restore(
                 7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
             )
-        layout = lossscale.checkpoint_0_3_0_layout(abstract)
+        layout = checkpoint_0_3_0_layout(abstract)
         restored = manager.restore(
             7, args=ocp.args.Composite(state=ocp.args.StandardRestore(layout))
         ).state
         config = manager.restore(
             7, args=ocp.args.Composite(dynamic_config=ocp.args.JsonRestore())
         ).dynamic_config
-    restored = lossscale.from_checkpoint_0_3_0(restored, abstract)
+    restored = from_checkpoint_0_3_0(restored, abstract)
     assert jax.tree.structure(restored) == jax.tree.structure(target)
-    lossscale.check_config(config, restored["opt_state"])
+    lossscale.checkpoints.check_config(config, restored["opt_state"])
     assert_as_0_3_0_saved(
         {
             "dynamic": restored["opt_state"].loss_scale,
@@ -364,7 +369,7 @@ def test_a_0_3_0_nnx_optimizer_checkpoint_restores_through_its_layout(tmp_path):
     directory = tmp_path / "checkpoint"
     shutil.copytree(os.path.join(DATA, "checkpoint_0_3_0"), directory)
     _, optimizer = targets_0_3_0()
-    layout = lossscale.checkpoint_0_3_0_layout(nnx.state(optimizer))
+    layout = checkpoint_0_3_0_layout(nnx.state(optimizer))
     assert "overflow_scale" not in layout["opt_state"]["loss_scale"]
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, layout)
     with ocp.CheckpointManager(directory) as manager:
@@ -396,9 +401,9 @@ def test_a_stacked_0_3_0_state_restores_stacked():
     target = lossscale.DynamicLossScale()
     saved = {
         n: jnp.stack([getattr(target, n)] * 3)
-        for n in lossscale.checkpoint_0_3_0_layout({"s": target})["s"]
+        for n in checkpoint_0_3_0_layout({"s": target})["s"]
     }
-    state = lossscale.from_checkpoint_0_3_0({"s": saved}, {"s": target})["s"]
+    state = from_checkpoint_0_3_0({"s": saved}, {"s": target})["s"]
     for name, leaf in zip(type(state)._leaves, jax.tree.leaves(state), strict=True):
         assert leaf.shape == (3,), (name, leaf.shape)
 
@@ -406,10 +411,144 @@ def test_a_stacked_0_3_0_state_restores_stacked():
 def test_mix_ups_of_the_0_3_0_restore_say_what_to_pass():
     target = {"w": jnp.zeros(2), "s": lossscale.DynamicLossScale()}
     with pytest.raises(ValueError, match="holds no loss-scale state"):
-        lossscale.checkpoint_0_3_0_layout({"w": jnp.zeros(2)})
+        checkpoint_0_3_0_layout({"w": jnp.zeros(2)})
     with pytest.raises(TypeError, match=r"`restored\['s'\]` is a `DynamicLossScale`"):
-        lossscale.from_checkpoint_0_3_0(target, target)
-    layout = lossscale.checkpoint_0_3_0_layout(target)
+        from_checkpoint_0_3_0(target, target)
+    layout = checkpoint_0_3_0_layout(target)
     del layout["s"]["counter"]
     with pytest.raises(ValueError, match=r"`restored\['s'\]` must hold the fields"):
-        lossscale.from_checkpoint_0_3_0(layout, target)
+        from_checkpoint_0_3_0(layout, target)
+
+
+# -- `lossscale.checkpoints.layout` and `upgrade`: any known version, one recipe ------
+
+
+def _assert_same_states(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+
+
+def test_a_0_2_checkpoint_restores_through_layout_and_upgrade(tmp_path):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_2"), directory)
+    with ocp.CheckpointManager(directory) as manager:
+        configs = manager.restore(
+            7,
+            args=ocp.args.Composite(
+                dynamic_config=ocp.args.JsonRestore(),
+                static_config=ocp.args.JsonRestore(),
+            ),
+        )
+        dynamic = lossscale.LossScale.from_config(configs.dynamic_config)
+        # 0.2 saved a static scale's setting as "scale": read, with a warning.
+        with pytest.warns(DeprecationWarning, match="'scale' is 'value'"):
+            static = lossscale.LossScale.from_config(configs.static_config)
+        tx = lossscale.wrap(optax.adam(1e-2), dynamic)
+        params = {"w": jnp.zeros((2, 3))}
+        target = {"params": params, "opt_state": tx.init(params), "static": static}
+        layout = lossscale.checkpoints.layout(target, "0.2")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, layout)
+        restored = manager.restore(
+            7, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+        ).state
+    states = lossscale.checkpoints.upgrade(restored, target)
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_2"), tmp_path / "again")
+    _, want_dynamic, want_static, _ = restore_0_2(tmp_path / "again")
+    _assert_same_states(states["opt_state"].loss_scale, want_dynamic)
+    _assert_same_states(states["static"], want_static)
+    for name, value in EXPECTED["dynamic"].items():
+        assert (
+            np.asarray(getattr(states["opt_state"].loss_scale, name)).tolist() == value
+        )
+    np.testing.assert_array_equal(states["params"]["w"], EXPECTED["params"])
+
+
+def test_a_0_3_0_checkpoint_restores_through_layout_and_upgrade(tmp_path):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_3_0"), directory)
+    target, _ = targets_0_3_0()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    layout = lossscale.checkpoints.layout(abstract, "0.3.0")
+    assert layout == checkpoint_0_3_0_layout(abstract)
+    with ocp.CheckpointManager(directory) as manager:
+        restored = manager.restore(
+            7, args=ocp.args.Composite(state=ocp.args.StandardRestore(layout))
+        ).state
+    states = lossscale.checkpoints.upgrade(restored, abstract)
+    _assert_same_states(states, from_checkpoint_0_3_0(restored, abstract))
+    assert_as_0_3_0_saved(
+        {
+            "dynamic": states["opt_state"].loss_scale,
+            "static": states["static"],
+            "train_state": states["train_state"].loss_scale,
+        }
+    )
+
+
+def test_upgrade_keeps_todays_states_and_rebuilds_each_old_one_by_its_layout():
+    # One tree, three versions' leaves: each state read by what holds its place.
+    dynamic = lossscale.DynamicLossScale(growth_interval=3, hysteresis=2)
+    today = lossscale.DynamicLossScale(scale=8.0)
+    target = {"a": dynamic, "b": dynamic, "c": today, "w": jnp.ones(2)}
+    old = checkpoint_0_3_0_layout({"s": dynamic})["s"]
+    restored = {
+        "a": {k: v[0] for k, v in stacked_0_2_arrays(1).items()},
+        "b": {**old, "skipped_steps": jnp.int32(4)},
+        "c": today,
+        "w": jnp.full(2, 3.0),
+    }
+    states = lossscale.checkpoints.upgrade(restored, target)
+    _assert_same_states(
+        states["a"], from_checkpoint_0_2(restored["a"], dynamic.get_config())
+    )
+    assert (
+        int(states["b"].skipped_steps) == 4 and float(states["b"].overflow_scale) == 0
+    )
+    assert states["c"] is today
+    np.testing.assert_array_equal(states["w"], restored["w"])
+
+
+def test_layout_0_2_keeps_a_pmap_stacked_states_leading_shape():
+    devices = jax.local_device_count()
+    state = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (devices, *jnp.shape(x))),
+        lossscale.DynamicLossScale(growth_interval=3, hysteresis=2),
+    )
+    layout = lossscale.checkpoints.layout({"s": state}, "0.2")["s"]
+    assert {k: v.shape for k, v in layout.items()} == {
+        k: v.shape for k, v in stacked_0_2_arrays(devices).items()
+    }
+    states = lossscale.checkpoints.upgrade(
+        {"s": stacked_0_2_arrays(devices)}, {"s": state}
+    )
+    for leaf in jax.tree.leaves(states["s"]):
+        assert leaf.shape == (devices,)
+
+
+@pytest.mark.parametrize("version", ["0.3.1", "0.4", 0.2, None])
+def test_layout_refuses_a_version_that_needs_none_naming_the_known_ones(version):
+    with pytest.raises(
+        ValueError, match=r"`version` must be one of \('0.2', '0.3.0'\)"
+    ):
+        lossscale.checkpoints.layout({"s": lossscale.DynamicLossScale()}, version)
+
+
+@pytest.mark.parametrize("version", ["0.2", "0.3.0"])
+def test_layout_refuses_a_target_without_a_state(version):
+    with pytest.raises(ValueError, match="holds no loss-scale state"):
+        lossscale.checkpoints.layout({"w": jnp.ones(2)}, version)
+
+
+@pytest.mark.parametrize("version", ["0.2", "0.3.0"])
+def test_upgrade_refuses_the_layout_in_place_of_what_was_restored(version):
+    target = jax.eval_shape(lambda: {"s": lossscale.DynamicLossScale()})
+    layout = lossscale.checkpoints.layout(target, version)
+    with pytest.raises(TypeError, match=r"`restored\['s'\]` holds `ShapeDtypeStruct`s"):
+        lossscale.checkpoints.upgrade(layout, target)
+
+
+def test_upgrade_refuses_leaves_of_no_known_layout_naming_the_layout_to_use():
+    target = {"s": lossscale.DynamicLossScale()}
+    with pytest.raises(ValueError, match=r"lossscale.checkpoints.layout\(target"):
+        lossscale.checkpoints.upgrade({"s": {"scale": jnp.float32(2.0)}}, target)

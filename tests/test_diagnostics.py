@@ -204,7 +204,9 @@ def test_matches_numpy(leaves, signs, scale):
         for x in leaves
     ]
     tree = {f"leaf{i}": jnp.asarray(x) for i, x in enumerate(leaves)}
-    stats = jax.jit(lossscale.grad_stats)(tree, lossscale.StaticLossScale(scale))
+    stats = jax.jit(lossscale.diagnostics.grad_stats)(
+        tree, lossscale.StaticLossScale(scale)
+    )
     assert_figures(stats, reference(leaves, scale))
     for i, leaf in enumerate(leaves):
         assert_figures(stats["leaves"][f"['leaf{i}']"], reference([leaf], scale))
@@ -215,7 +217,7 @@ def test_float16_and_bfloat16_leaves_and_non_finite_values():
         "h": jnp.array([0.0, 1.0, jnp.inf], jnp.float16),
         "b": jnp.array([jnp.nan, 2.0**-30], jnp.bfloat16),
     }
-    stats = lossscale.grad_stats(grads)
+    stats = lossscale.diagnostics.grad_stats(grads)
     assert np.isnan(stats["max_abs"])  # NaN is never hidden
     assert float(stats["overflow_fraction"]) == np.float32(2 / 5)  # inf and NaN
     assert float(stats["underflow_fraction"]) == np.float32(1 / 5)  # 2**-30 < 2**-24
@@ -228,41 +230,48 @@ def test_reads_the_scale_of_an_optimizer_state_and_has_no_host_transfer():
 
     opt_state = lossscale.wrap(optax.sgd(0.1), 2.0**20).init(jnp.zeros(2))
     grads = jnp.array([0.05, 1e-3])  # 0.05 * 2**20 = 52428.8: fits, barely
-    stats = lossscale.grad_stats(grads, opt_state)
+    stats = lossscale.diagnostics.grad_stats(grads, opt_state)
     assert float(stats["overflow_fraction"]) == 0.0
     assert 0 < float(stats["headroom_bits"]) < 1
-    text = jax.jit(lossscale.grad_stats).lower(grads, opt_state).compile().as_text()
+    text = (
+        jax.jit(lossscale.diagnostics.grad_stats)
+        .lower(grads, opt_state)
+        .compile()
+        .as_text()
+    )
     assert "custom-call" not in text and "outfeed" not in text
 
 
 def test_all_zero_and_empty_trees():
-    stats = lossscale.grad_stats({"a": jnp.zeros(3)})
+    stats = lossscale.diagnostics.grad_stats({"a": jnp.zeros(3)})
     assert float(stats["zero_fraction"]) == 1.0 and np.isinf(stats["headroom_bits"])
-    assert float(lossscale.grad_stats({})["max_abs"]) == 0.0
+    assert float(lossscale.diagnostics.grad_stats({})["max_abs"]) == 0.0
 
 
 def test_refuses_integer_leaves():
     with pytest.raises(TypeError, match=r"\['n'\]"):
-        lossscale.grad_stats({"n": jnp.ones(2, jnp.int32)})
+        lossscale.diagnostics.grad_stats({"n": jnp.ones(2, jnp.int32)})
 
 
 @pytest.mark.parametrize("loss_scale", ["dynamic", "static"])
 def test_grad_stats_refuses_a_string_naming_what_it_takes(loss_scale):
     with pytest.raises(TypeError, match="the scale to evaluate at") as info:
-        lossscale.grad_stats({"w": jnp.ones(2)}, loss_scale)
+        lossscale.diagnostics.grad_stats({"w": jnp.ones(2)}, loss_scale)
     assert "2.0**15" in str(info.value)
 
 
 @pytest.mark.parametrize("loss_scale", [0, -2.0, np.inf, np.nan, np.float32(0.0)])
 def test_grad_stats_refuses_a_scale_that_is_not_positive_and_finite(loss_scale):
     with pytest.raises(ValueError, match="must be positive and finite"):
-        lossscale.grad_stats({"w": jnp.ones(2)}, loss_scale)
+        lossscale.diagnostics.grad_stats({"w": jnp.ones(2)}, loss_scale)
 
 
 def test_grad_stats_takes_a_traced_scale_unchecked():
     # A traced scale cannot be read without a sync: it is taken as given.
     grads = {"w": jnp.array([1.0, 2.0])}
-    headroom = jax.jit(lambda s: lossscale.grad_stats(grads, s)["headroom_bits"])
+    headroom = jax.jit(
+        lambda s: lossscale.diagnostics.grad_stats(grads, s)["headroom_bits"]
+    )
     expected = np.log2(np.float32(65504.0) / (2.0 * 4.0))
     np.testing.assert_allclose(headroom(jnp.float32(4.0)), expected, rtol=1e-6)
 
@@ -294,20 +303,20 @@ def test_an_unknown_equation_gets_findings_not_a_crash():
     w, x = jnp.ones(4), jnp.arange(4.0)
     # Its backward overflows float16 at 2**15 (2 * 3 * 2**15): a warning at the
     # line that defines its derivative; the reference gradient is finite.
-    report = lossscale.preflight(loss_fn, w, x)
+    report = lossscale.diagnostics.preflight(loss_fn, w, x)
     codes = [(f.code, f.where) for f in report.findings]
     assert ("gradient-overflow", line_of(__file__, "unknown-jvp-line")) in codes, report
     np.testing.assert_array_equal(jax.grad(loss_fn)(w, x), [0.0, 2.0, 8.0, 18.0])
-    located = lossscale.locate_overflow(loss_fn, w, x, loss_scale=2.0**15)
+    located = lossscale.diagnostics.locate_overflow(loss_fn, w, x, loss_scale=2.0**15)
     assert located.kind == "backward", located
     assert "The gradient is not finite." in str(located), located
     # 300**2 overflows float16 in the forward pass: the unknown op is named.
     big = x.at[0].set(300.0)
-    (finding,) = lossscale.preflight(loss_fn, w, big).findings
+    (finding,) = lossscale.diagnostics.preflight(loss_fn, w, big).findings
     assert (finding.code, finding.where) == (
         "forward-overflow",
         line_of(__file__, "unknown-op-line"),
     ), finding
     assert "`lossscale_test_square`" in finding.message
-    located = lossscale.locate_overflow(loss_fn, w, big, loss_scale=1.0)
+    located = lossscale.diagnostics.locate_overflow(loss_fn, w, big, loss_scale=1.0)
     assert (located.kind, located.op) == ("forward", "lossscale_test_square"), located

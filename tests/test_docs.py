@@ -55,7 +55,8 @@ def test_every_example_runs_and_prints_what_it_says(page, index):
 
 def test_the_api_reference_names_every_public_symbol():
     text = (DOCS / "api.md").read_text()
-    for module in (lossscale, lossscale.flax, lossscale.tunix):
+    modules = (lossscale.checkpoints, lossscale.diagnostics, lossscale.flax)
+    for module in (lossscale, *modules, lossscale.tunix):
         for name in module.__all__:
             assert f"{module.__name__}.{name}" in text, name
 

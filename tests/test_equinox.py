@@ -63,7 +63,7 @@ def test_gradients_of_a_filtered_model_hold_none_and_functions_are_skipped():
     # all_finite takes the whole model (functions and all), and the gradients.
     assert bool(lossscale.all_finite(model)) and bool(lossscale.all_finite(grads))
     assert not bool(lossscale.all_finite(scaled_grads(model, SCALE, poison=True)))
-    stats = lossscale.grad_stats(unscaled, SCALE)
+    stats = lossscale.diagnostics.grad_stats(unscaled, SCALE)
     assert float(stats["zero_fraction"]) < 1.0
 
 

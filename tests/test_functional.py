@@ -62,7 +62,9 @@ PER_STEP_CALLS = {
     "scale_loss": lambda spec: lossscale.scale_loss(jnp.float32(1.0), spec),
     "unscale_grads": lambda spec: lossscale.unscale_grads({"w": jnp.ones(2)}, spec),
     "value_and_grad": lambda spec: lossscale.value_and_grad(jnp.sum)(spec, jnp.ones(2)),
-    "check_config": lambda spec: lossscale.check_config({"kind": "none"}, spec),
+    "check_config": lambda spec: lossscale.checkpoints.check_config(
+        {"kind": "none"}, spec
+    ),
 }
 
 

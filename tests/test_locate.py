@@ -1,4 +1,4 @@
-"""`lossscale.locate_overflow`: the leaves, the op and the line of an overflow."""
+"""`lossscale.diagnostics.locate_overflow`: the leaves, op and line of an overflow."""
 
 import equinox as eqx
 import flax.linen as nn
@@ -42,7 +42,7 @@ def reference_bad_leaves(loss_fn, params, *args):
 
 def test_a_forward_overflow_in_exp_is_named_with_its_line():
     x = X_FINE.at[1].set(20.0)  # exp(20) overflows float16
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
     )
     assert report.kind == "forward"
@@ -60,7 +60,7 @@ def test_a_forward_overflow_in_exp_is_named_with_its_line():
 def test_a_backward_overflow_in_one_leaf_names_that_leaf_and_the_op():
     # y * b is finite forward; its gradient for b is SCALE * y = 102400 > 65504.
     y = jnp.full(3, 100.0)
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, y, loss_scale=SCALE
     )
     assert report.kind == "backward"
@@ -71,12 +71,14 @@ def test_a_backward_overflow_in_one_leaf_names_that_leaf_and_the_op():
     assert "Backward overflow at loss scale 1024" in str(report)
     assert "Non-finite gradients: ['b']" in str(report)
     # At a lower scale it is finite: what the report's advice says.
-    lower = lossscale.locate_overflow(two_leaf_loss, PARAMS, X_FINE, y, loss_scale=8.0)
+    lower = lossscale.diagnostics.locate_overflow(
+        two_leaf_loss, PARAMS, X_FINE, y, loss_scale=8.0
+    )
     assert lower.kind is None
 
 
 def test_a_finite_step_reports_nothing():
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=SCALE
     )
     assert (report.kind, report.leaves, report.op, report.source) == (
@@ -97,7 +99,7 @@ def test_has_aux_and_a_jitted_loss_are_located_inside_the_jit():
         return loss, {"loss": loss}
 
     x = X_FINE.at[0].set(30.0)
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         loss_with_aux, PARAMS, x, Y_FINE, loss_scale=SCALE, has_aux=True
     )
     assert (report.kind, report.op) == ("forward", "exp")
@@ -111,7 +113,7 @@ def test_the_scale_comes_from_a_state_or_an_optimizer_state():
     state = lossscale.DynamicLossScale(scale=SCALE)
     opt_state = lossscale.wrap(optax.sgd(0.1), state).init(PARAMS)
     for loss_scale in (state, opt_state):
-        report = lossscale.locate_overflow(
+        report = lossscale.diagnostics.locate_overflow(
             two_leaf_loss, PARAMS, X_FINE, y, loss_scale=loss_scale
         )
         assert report.kind == "backward" and report.scale == SCALE
@@ -138,8 +140,13 @@ def test_a_flax_linen_attention_softmax_overflow_is_located():
     def loss_fn(params, x):
         return jnp.mean(model.apply({"params": params}, x).astype(jnp.float32) ** 2)
 
-    assert lossscale.locate_overflow(loss_fn, params, x, loss_scale=SCALE).kind is None
-    report = lossscale.locate_overflow(loss_fn, params, x * 30.0, loss_scale=SCALE)
+    assert (
+        lossscale.diagnostics.locate_overflow(loss_fn, params, x, loss_scale=SCALE).kind
+        is None
+    )
+    report = lossscale.diagnostics.locate_overflow(
+        loss_fn, params, x * 30.0, loss_scale=SCALE
+    )
     assert (report.kind, report.op) == ("forward", "exp")
     assert report.source == line_of("linen-softmax-line")
     # jax 0.6's source information names a function without its class.
@@ -162,7 +169,9 @@ def test_an_nnx_model_backward_overflow_names_its_parameters():
     def loss_fn(model, x):
         return jnp.mean(model(x).astype(jnp.float32))
 
-    report = lossscale.locate_overflow(loss_fn, model, x, loss_scale=2.0**14)
+    report = lossscale.diagnostics.locate_overflow(
+        loss_fn, model, x, loss_scale=2.0**14
+    )
     assert report.kind == "backward"
     paths = [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(model)
@@ -182,7 +191,9 @@ def test_an_equinox_model_keeps_its_functions_fixed_and_names_array_leaves():
         return jnp.mean(jax.vmap(model)(x.astype(F16)).astype(jnp.float32))
 
     x = jnp.full((4, 3), 100.0)
-    report = lossscale.locate_overflow(loss_fn, model, x, loss_scale=2.0**15)
+    report = lossscale.diagnostics.locate_overflow(
+        loss_fn, model, x, loss_scale=2.0**15
+    )
     assert report.kind == "backward"
     arrays = [
         jax.tree_util.keystr(path)
@@ -202,29 +213,35 @@ def test_an_equinox_model_keeps_its_functions_fixed_and_names_array_leaves():
 )
 def test_bad_settings_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
-        lossscale.locate_overflow(two_leaf_loss, PARAMS, X_FINE, Y_FINE, **kwargs)
+        lossscale.diagnostics.locate_overflow(
+            two_leaf_loss, PARAMS, X_FINE, Y_FINE, **kwargs
+        )
 
 
 def test_has_aux_that_does_not_match_the_loss_function_says_how_to_set_it():
     with pytest.raises(TypeError, match="pass `has_aux=False`"):
-        lossscale.locate_overflow(
+        lossscale.diagnostics.locate_overflow(
             two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=SCALE, has_aux=True
         )
     with pytest.raises(TypeError, match="pass `has_aux=True`"):
-        lossscale.locate_overflow(
+        lossscale.diagnostics.locate_overflow(
             lambda *a: (two_leaf_loss(*a), {}), PARAMS, X_FINE, Y_FINE, loss_scale=SCALE
         )
 
 
 def test_bad_functions_and_params_are_refused():
     with pytest.raises(TypeError, match="`loss_fn` must be callable"):
-        lossscale.locate_overflow("loss", PARAMS, loss_scale=SCALE)
+        lossscale.diagnostics.locate_overflow("loss", PARAMS, loss_scale=SCALE)
     with pytest.raises(ValueError, match="no floating-point array"):
-        lossscale.locate_overflow(lambda p: 0.0, {"n": 3}, loss_scale=SCALE)
+        lossscale.diagnostics.locate_overflow(lambda p: 0.0, {"n": 3}, loss_scale=SCALE)
     with pytest.raises(ValueError, match=r"`loss_fn\(params, ...\)` must be a scalar"):
-        lossscale.locate_overflow(lambda p: p["a"], PARAMS, loss_scale=SCALE)
+        lossscale.diagnostics.locate_overflow(
+            lambda p: p["a"], PARAMS, loss_scale=SCALE
+        )
     with pytest.raises(TypeError, match=r"`loss_fn\(params, ...\)`"):
-        lossscale.locate_overflow(lambda p: jnp.int32(1), PARAMS, loss_scale=SCALE)
+        lossscale.diagnostics.locate_overflow(
+            lambda p: jnp.int32(1), PARAMS, loss_scale=SCALE
+        )
 
 
 # -- where the blame goes: the pass, the op under a call, what reaches the result ----
@@ -234,10 +251,10 @@ def test_a_backward_overflow_inside_a_jitted_loss_is_in_the_backward_pass():
     # The transposed `jit` call's equations have a name stack of their own, with no
     # "transpose" in it: the pass comes from the call around them.
     y = jnp.full(3, 100.0)
-    plain = lossscale.locate_overflow(
+    plain = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, y, loss_scale=SCALE
     )
-    jitted = lossscale.locate_overflow(
+    jitted = lossscale.diagnostics.locate_overflow(
         jax.jit(two_leaf_loss), PARAMS, X_FINE, y, loss_scale=SCALE
     )
     assert (jitted.kind, jitted.op, jitted.backward_pass) == ("backward", "mul", True)
@@ -257,7 +274,7 @@ def checkpointed_loss(params, x, y):
     ids=["forward", "backward"],
 )
 def test_inside_jax_checkpoint_the_op_under_it_is_named(x, y, expected):
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         checkpointed_loss, PARAMS, x, y, loss_scale=SCALE
     )
     kind, op, backward_pass, marker = expected
@@ -293,7 +310,9 @@ def test_a_forward_op_under_a_scope_named_transpose_is_in_the_forward_pass(
     loss_fn, marker
 ):
     x = X_FINE.at[1].set(20.0)
-    report = lossscale.locate_overflow(loss_fn, PARAMS, x, Y_FINE, loss_scale=SCALE)
+    report = lossscale.diagnostics.locate_overflow(
+        loss_fn, PARAMS, x, Y_FINE, loss_scale=SCALE
+    )
     assert (report.kind, report.op, report.backward_pass) == ("forward", "exp", False)
     assert report.source == line_of(marker), str(report)
     assert "in the forward pass" in str(report)
@@ -305,11 +324,11 @@ def test_an_inf_in_an_aux_metric_is_not_blamed_for_a_gradient_overflow():
         return two_leaf_loss(params, x, y), {"log_of_zero": log_of_zero}
 
     y = jnp.full(3, 100.0)
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         loss_with_aux, PARAMS, X_FINE, y, loss_scale=SCALE, has_aux=True
     )
     # The reference: the same step without the metric.
-    plain = lossscale.locate_overflow(
+    plain = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, y, loss_scale=SCALE
     )
     assert (report.kind, report.op, report.source) == ("backward", "mul", plain.source)
@@ -324,7 +343,9 @@ def test_an_inf_that_is_masked_away_is_not_blamed_for_a_later_overflow():
         return jnp.sum(kept) + two_leaf_loss(params, x, y)
 
     x = X_FINE.at[1].set(20.0)
-    report = lossscale.locate_overflow(loss_fn, PARAMS, x, Y_FINE, loss_scale=SCALE)
+    report = lossscale.diagnostics.locate_overflow(
+        loss_fn, PARAMS, x, Y_FINE, loss_scale=SCALE
+    )
     assert (report.kind, report.op, report.source) == (
         "forward",
         "exp",
@@ -358,7 +379,7 @@ def test_a_non_finite_input_is_named_not_blamed_on_an_op(where, expected, bad):
         weight = jnp.float32(bad)
     else:
         params["b"] = params["b"].at[0].set(bad)
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         batch_loss, params, batch, weight=weight, loss_scale=SCALE
     )
     assert report.nonfinite_input == expected, str(report)
@@ -373,11 +394,11 @@ def test_a_non_finite_input_is_named_not_blamed_on_an_op(where, expected, bad):
 
 def test_a_non_finite_positional_input_is_named_by_its_parameter_name():
     x = X_FINE.at[0].set(np.nan)
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
     )
     assert report.nonfinite_input == "x", str(report)
-    unnamed = lossscale.locate_overflow(
+    unnamed = lossscale.diagnostics.locate_overflow(
         lambda params, *batch: two_leaf_loss(params, *batch),
         PARAMS,
         X_FINE,
@@ -388,7 +409,7 @@ def test_a_non_finite_positional_input_is_named_by_its_parameter_name():
 
 
 def test_an_overflow_from_finite_inputs_names_no_input():
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE.at[1].set(20.0), Y_FINE, loss_scale=SCALE
     )
     assert report.nonfinite_input is None and report.op == "exp"
@@ -400,7 +421,7 @@ def test_a_typed_prng_key_among_the_arguments_is_held_fixed():
         return two_leaf_loss(params, jnp.where(keep, x, 0.0), y)
 
     key, x = jax.random.key(0), jnp.full(3, 20.0)  # exp(20) overflows float16
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         loss_fn, PARAMS, x, Y_FINE, key, loss_scale=SCALE
     )
     # The reference: the dropout keeps some of x, and jax.grad's gradients.
@@ -412,7 +433,7 @@ def test_a_typed_prng_key_among_the_arguments_is_held_fixed():
 
 def test_inside_jit_it_says_to_call_it_on_the_host():
     def step(x):
-        return lossscale.locate_overflow(
+        return lossscale.diagnostics.locate_overflow(
             two_leaf_loss, PARAMS, x, Y_FINE, loss_scale=SCALE
         ).loss
 
@@ -422,11 +443,11 @@ def test_inside_jit_it_says_to_call_it_on_the_host():
 
 def test_arguments_that_do_not_fit_loss_fn_are_named():
     with pytest.raises(TypeError, match=r"`loss_fn\(params, x, y\)` cannot take"):
-        lossscale.locate_overflow(
+        lossscale.diagnostics.locate_overflow(
             two_leaf_loss, PARAMS, (X_FINE, Y_FINE), loss_scale=SCALE
         )
     with pytest.raises(TypeError, match="keywords \\['z'\\]"):
-        lossscale.locate_overflow(
+        lossscale.diagnostics.locate_overflow(
             two_leaf_loss, PARAMS, X_FINE, Y_FINE, z=1, loss_scale=SCALE
         )
 
@@ -434,7 +455,7 @@ def test_arguments_that_do_not_fit_loss_fn_are_named():
 @pytest.mark.parametrize("loss_scale", ["dynamic", None])
 def test_a_string_or_none_as_the_scale_says_what_it_takes(loss_scale):
     with pytest.raises(TypeError, match="the scale to evaluate at"):
-        lossscale.locate_overflow(
+        lossscale.diagnostics.locate_overflow(
             two_leaf_loss, PARAMS, X_FINE, Y_FINE, loss_scale=loss_scale
         )
 
@@ -447,7 +468,9 @@ def test_an_overflow_inside_a_library_jit_is_named_at_the_users_line():
         return jnp.sum(total.astype(jnp.float32))
 
     x = jnp.full(8, 10000.0)  # the running sum passes 65504 at the 7th element
-    report = lossscale.locate_overflow(loss_fn, {"a": jnp.ones(8)}, x, loss_scale=1.0)
+    report = lossscale.diagnostics.locate_overflow(
+        loss_fn, {"a": jnp.ones(8)}, x, loss_scale=1.0
+    )
     assert report.kind == "forward" and report.op == "cumsum"
     assert report.source == line_of("cumsum-line")
 
@@ -513,7 +536,7 @@ def test_the_state_after_a_skip_is_checked_at_the_scale_the_skip_ran_at(
     # scale 16384".
     state = after_skip()
     assert float(lossscale.get_loss_scale(state).scale) == np.float32(now)
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, Y_OVERFLOWS_AT_2_15, loss_scale=state
     )
     assert (report.kind, report.leaves, report.scale) == ("backward", ("['b']",), 2**15)
@@ -526,7 +549,7 @@ def test_the_state_after_a_skip_is_checked_at_the_scale_the_skip_ran_at(
 def test_no_overflow_after_a_skip_names_the_scale_checked_and_the_back_off():
     state = skipped_with_wrap(lossscale.DynamicLossScale())
     y = jnp.ones(3)  # the gradient for `b` is 2**15, finite
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, y, loss_scale=state
     )
     assert report.kind is None and report.scale == 2**15
@@ -541,7 +564,7 @@ def test_a_skip_that_did_not_back_off_is_checked_at_the_same_scale():
     # With hysteresis 2 the first overflow keeps the scale.
     state = skipped_with_wrap(lossscale.DynamicLossScale(hysteresis=2))
     assert float(lossscale.get_loss_scale(state).scale) == 2**15
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, Y_OVERFLOWS_AT_2_15, loss_scale=state
     )
     assert (report.kind, report.scale, report.state_scale) == ("backward", 2**15, None)
@@ -552,7 +575,7 @@ def test_after_an_applied_step_the_state_is_checked_at_its_own_scale():
     state = lossscale.update(lossscale.DynamicLossScale(), False)
     state = lossscale.update(state, True)  # applied: the skip is history
     assert float(state.overflow_scale) == 2**15 and int(state.consecutive_skips) == 0
-    report = lossscale.locate_overflow(
+    report = lossscale.diagnostics.locate_overflow(
         two_leaf_loss, PARAMS, X_FINE, Y_OVERFLOWS_AT_2_15, loss_scale=state
     )
     assert (report.kind, report.scale, report.state_scale) == (None, 2**14, None)
@@ -565,7 +588,9 @@ def test_a_bare_array_of_parameters_is_named_as_the_gradient():
         return jnp.sum(y * w)
 
     w = jnp.ones(3, jnp.float16)
-    report = lossscale.locate_overflow(loss, w, jnp.full(3, 100.0), loss_scale=SCALE)
+    report = lossscale.diagnostics.locate_overflow(
+        loss, w, jnp.full(3, 100.0), loss_scale=SCALE
+    )
     assert report.kind == "backward" and report.leaves == ("",)
     text = str(report)
     assert "The gradient is not finite." in text, text

@@ -13,7 +13,7 @@ FINDERS = {
     "metrics": lossscale.metrics,
     "scale_loss": lambda s: lossscale.scale_loss(jnp.float32(1.0), s),
     "unscale_grads": lambda s: lossscale.unscale_grads(GRADS, s),
-    "check_config": lambda s: lossscale.check_config(
+    "check_config": lambda s: lossscale.checkpoints.check_config(
         {"kind": "static", "value": 4.0}, s
     ),
     "value_and_grad": lambda s: lossscale.value_and_grad(jnp.sum)(s, GRADS["w"]),

@@ -86,13 +86,13 @@ def test_a_static_config_written_by_0_2_is_read_with_a_warning():
 def test_check_config_of_a_0_2_static_config_names_the_renamed_key():
     saved = {"kind": "static", "scale": 256.0}
     with warns_here("config key 'scale' is 'value'"):
-        lossscale.check_config(saved, lossscale.StaticLossScale(256.0))
+        lossscale.checkpoints.check_config(saved, lossscale.StaticLossScale(256.0))
     # Another value is still refused, under the new key.
     with (
         warns_here("'scale' is 'value'"),
         pytest.raises(ValueError, match=r"value: checkpoint 256.0, code 512.0"),
     ):
-        lossscale.check_config(saved, lossscale.StaticLossScale(512.0))
+        lossscale.checkpoints.check_config(saved, lossscale.StaticLossScale(512.0))
 
 
 def test_select_tree_is_optax_tree_where_with_a_warning():

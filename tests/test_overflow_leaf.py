@@ -91,8 +91,8 @@ def test_wrap_records_the_latest_overflow_and_keeps_it_on_applied_steps():
         _, opt_state = step(grads, opt_state, params)
         history.append(int(lossscale.metrics(opt_state)["overflow_leaf"]))
     assert history == [-1, 4, 4, 0, 6, 6]
-    assert lossscale.leaf_path(params, history[1]) == "['layers'][1]['w']"
-    assert lossscale.leaf_path(params, history[3]) == "['embed']"
+    assert lossscale.diagnostics.leaf_path(params, history[1]) == "['layers'][1]['w']"
+    assert lossscale.diagnostics.leaf_path(params, history[3]) == "['embed']"
 
 
 def test_the_index_counts_leaves_in_the_parameters_order_with_their_paths():
@@ -106,7 +106,7 @@ def test_the_index_counts_leaves_in_the_parameters_order_with_their_paths():
         _, grads = params_and_grads(bad)
         _, opt_state = tx.update(grads, tx.init(params), params)
         index = lossscale.metrics(opt_state)["overflow_leaf"]
-        assert lossscale.leaf_path(params, index) == paths[bad]
+        assert lossscale.diagnostics.leaf_path(params, index) == paths[bad]
 
 
 def apply_gradients_overflow_leaf(bad_leaf, clip_norm=None):
@@ -240,7 +240,7 @@ def test_apply_gradients_train_state_and_nnx_optimizer_record_it():
     optimizer.update(model, grads)
     index = lossscale.metrics(optimizer)["overflow_leaf"]
     # nnx's Param state flattens to bias, kernel: the first of them is named.
-    assert lossscale.leaf_path(nnx.state(model, nnx.Param), index) == (
+    assert lossscale.diagnostics.leaf_path(nnx.state(model, nnx.Param), index) == (
         jax.tree_util.keystr(
             jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))[0][0]
         )
@@ -291,33 +291,33 @@ def test_under_multisteps_the_accumulated_gradients_are_checked():
 def test_leaf_path_refuses_what_names_no_leaf(index, error):
     params, _ = params_and_grads()
     with pytest.raises(error, match="`index`"):
-        lossscale.leaf_path(params, index)
+        lossscale.diagnostics.leaf_path(params, index)
 
 
 @pytest.mark.parametrize("index", [True, False, np.bool_(True), jnp.array(True)])
 def test_leaf_path_refuses_a_bool(index):
     params, _ = params_and_grads()
     with pytest.raises(TypeError, match="bools are not indices"):
-        lossscale.leaf_path(params, index)
+        lossscale.diagnostics.leaf_path(params, index)
 
 
 def test_leaf_path_under_jit_says_to_call_it_on_the_host():
     params, _ = params_and_grads()
     with pytest.raises(TypeError, match="runs on the host") as info:
-        jax.jit(lambda i: lossscale.leaf_path(params, i))(jnp.int32(1))
+        jax.jit(lambda i: lossscale.diagnostics.leaf_path(params, i))(jnp.int32(1))
     assert "overflow_leaf" in str(info.value)
 
 
 def test_leaf_path_of_an_index_per_device_says_to_take_one():
     params, _ = params_and_grads()
     with pytest.raises(TypeError, match=r"pass `index\[0\]`"):
-        lossscale.leaf_path(params, jnp.full(8, 3, jnp.int32))
+        lossscale.diagnostics.leaf_path(params, jnp.full(8, 3, jnp.int32))
 
 
 def test_leaf_path_with_swapped_arguments_says_so():
     params, _ = params_and_grads()
     with pytest.raises(TypeError, match=r"`leaf_path\(params, index\)`"):
-        lossscale.leaf_path(2, params)
+        lossscale.diagnostics.leaf_path(2, params)
 
 
 def reference_gradient_paths(grads):
@@ -332,11 +332,11 @@ def test_leaf_path_indexes_the_gradient_leaves_none_dropped():
     grads = {"a": jnp.ones(2), "act": None, "b": jnp.ones(2), "c": (None, jnp.ones(1))}
     expected = reference_gradient_paths(grads)
     assert expected == ["['a']", "['b']", "['c'][1]"]
-    got = [lossscale.leaf_path(grads, i) for i in range(len(expected))]
+    got = [lossscale.diagnostics.leaf_path(grads, i) for i in range(len(expected))]
     assert got == expected
-    assert lossscale.leaf_path(grads, jnp.int32(-1)) is None
+    assert lossscale.diagnostics.leaf_path(grads, jnp.int32(-1)) is None
     with pytest.raises(ValueError, match="`index` is 3"):
-        lossscale.leaf_path(grads, 3)
+        lossscale.diagnostics.leaf_path(grads, 3)
 
 
 def test_leaf_path_of_an_equinox_model_matches_its_filtered_gradients():
@@ -354,5 +354,5 @@ def test_leaf_path_of_an_equinox_model_matches_its_filtered_gradients():
     expected = reference_gradient_paths(grads)
     assert len(expected) == 4
     for index, path in enumerate(expected):
-        assert lossscale.leaf_path(model, index) == path
-        assert lossscale.leaf_path(grads, index) == path
+        assert lossscale.diagnostics.leaf_path(model, index) == path
+        assert lossscale.diagnostics.leaf_path(grads, index) == path

@@ -1,5 +1,6 @@
-"""`lossscale.preflight` and `preflight_step`: each code on a model written to have
-its hazard, and on no other model; the clean mixed-precision models get none.
+"""`lossscale.diagnostics.preflight` and `preflight_step`: each code on a model
+written to have its hazard, and on no other model; the clean mixed-precision models get
+none.
 
 The models are small but real: Flax linen MLPs on scikit-learn's digits (the full
 training set as the batch, as the demo trains), the demo's deep sigmoid MLP, and a
@@ -166,7 +167,7 @@ def serious(report):
 def test_a_clean_mixed_precision_mlp_gets_no_error_or_warning():
     loss_fn, params, x, y = digits_problem()
     tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
-    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y, optimizer=tx)
     assert serious(report) == [], str(report)
     check_scale(report, finite_at(loss_fn, params, x, y))
 
@@ -175,7 +176,9 @@ def test_a_clean_mixed_precision_mlp_gets_no_error_or_warning():
 def test_a_clean_float16_transformer_gets_no_error_or_warning():
     loss_fn, params, tokens, targets = text_problem()
     tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
-    report = lossscale.preflight(loss_fn, params, tokens, targets, optimizer=tx)
+    report = lossscale.diagnostics.preflight(
+        loss_fn, params, tokens, targets, optimizer=tx
+    )
     assert serious(report) == [], str(report)
     assert report.scale is not None
 
@@ -186,7 +189,7 @@ def test_a_clean_float16_transformer_gets_no_error_or_warning():
 @pytest.mark.slow
 def test_half_accumulation_is_a_float16_cumulative_sum_with_its_line():
     loss_fn, params, tokens, targets = text_problem(mix="running-mean")
-    report = lossscale.preflight(loss_fn, params, tokens, targets)
+    report = lossscale.diagnostics.preflight(loss_fn, params, tokens, targets)
     assert report.codes == {"half-accumulation"}, str(report)
     (finding,) = report.findings
     assert finding.where == line_of("cumsum-line")
@@ -196,7 +199,7 @@ def test_half_accumulation_is_a_float16_cumulative_sum_with_its_line():
 @pytest.mark.slow
 def test_forward_overflow_is_an_exp_that_overflows_float16_with_its_line():
     loss_fn, params, tokens, targets = text_problem(mix="exp")
-    report = lossscale.preflight(loss_fn, params, tokens, targets)
+    report = lossscale.diagnostics.preflight(loss_fn, params, tokens, targets)
     assert report.codes == {"forward-overflow"}, str(report)
     # Only the exp: not the float16 ops after it, whose inputs come (through
     # float32 values, whose NaN XLA:CPU's float32 `max` may miss) from the inf.
@@ -223,7 +226,7 @@ def test_an_inf_causal_mask_that_the_softmax_makes_zero_is_not_blamed():
     }
     x = jax.random.normal(x_key, (4, 32, 16))
     y = jax.random.normal(y_key, (4, 32, 16))
-    report = lossscale.preflight(masked_attention_loss, params, x, y)
+    report = lossscale.diagnostics.preflight(masked_attention_loss, params, x, y)
     assert serious(report) == [], str(report)
     # The reference: the loss and the gradients at the starting scale are finite.
     assert np.isfinite(float(masked_attention_loss(params, x, y)))
@@ -268,14 +271,16 @@ def test_a_mask_constant_float16_makes_inf_is_an_error_no_scale_fixes():
     # gradients, and the line to change is the mask's.
     params, x, valid = padded_attention_problem()
     loss_fn = padded_attention_loss(-2.3819763e38)
-    report = lossscale.preflight(loss_fn, params, x, valid)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, valid)
     (finding,) = serious(report)
     assert (finding.code, finding.severity) == ("gradient-overflow", "error"), report
     assert finding.where == helpers.line_of(__file__, "padded-mask-line"), report
     assert "the constant -2.3819763e+38, -inf in float16" in finding.message
     assert "jnp.finfo(jnp.float16).min" in finding.fix
     assert report.scale is None
-    located = str(lossscale.locate_overflow(loss_fn, params, x, valid, loss_scale=1.0))
+    located = str(
+        lossscale.diagnostics.locate_overflow(loss_fn, params, x, valid, loss_scale=1.0)
+    )
     assert "No loss scale avoids it" in located and "lower scale" not in located
     assert helpers.line_of(__file__, "padded-mask-line") in located
     # The reference: not finite at any scale from 2**15 down to 2**-24 ...
@@ -285,7 +290,7 @@ def test_a_mask_constant_float16_makes_inf_is_an_error_no_scale_fixes():
     # at the mask (a constant near float16's largest is no headroom hazard), a
     # scale to start at, and finite gradients there.
     fixed = padded_attention_loss(float(jnp.finfo(F16).min))
-    report = lossscale.preflight(fixed, params, x, valid)
+    report = lossscale.diagnostics.preflight(fixed, params, x, valid)
     assert [f.severity for f in serious(report)] in ([], ["warning"]), str(report)
     assert helpers.line_of(__file__, "padded-mask-line") not in str(report)
     assert report.scale is not None and finite_at(fixed, params, x, valid)(report.scale)
@@ -296,7 +301,7 @@ def test_a_backward_overflow_at_every_scale_is_an_error_at_its_op():
         return jnp.sum(jnp.sqrt(x.astype(F16) * w.astype(F16)).astype(F32))  # sqrt-line
 
     w, x = jnp.ones(4), jnp.arange(4.0)  # sqrt(0): an infinite derivative
-    report = lossscale.preflight(loss_fn, w, x)
+    report = lossscale.diagnostics.preflight(loss_fn, w, x)
     (finding,) = serious(report)
     assert (finding.code, finding.severity) == ("gradient-overflow", "error"), report
     assert finding.where == helpers.line_of(__file__, "sqrt-line"), report
@@ -314,7 +319,7 @@ def test_a_backward_overflow_is_blamed_at_its_op_past_a_harmless_forward_inf():
 
     w, x = jnp.ones((4, 8)), jnp.linspace(0.1, 1.0, 32).reshape(4, 8)
     valid = jnp.broadcast_to(jnp.arange(8) < 5, (4, 8))
-    report = lossscale.preflight(loss_fn, w, x, valid)
+    report = lossscale.diagnostics.preflight(loss_fn, w, x, valid)
     (finding,) = [f for f in report.findings if f.severity == "error"]
     assert finding.code == "gradient-overflow", report
     assert finding.where == helpers.line_of(__file__, "sqrt-of-zero-line"), report
@@ -332,7 +337,7 @@ def test_an_overflow_that_the_loss_masks_and_its_gradient_does_not_see_is_not_bl
         return jnp.mean(jnp.where(x < 5, scores, 0).astype(F32))
 
     params, x = {"w": jnp.ones(8)}, jnp.arange(8.0).at[7].set(20.0)
-    report = lossscale.preflight(loss_fn, params, x, loss_scale=1.0)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, loss_scale=1.0)
     assert serious(report) == [], str(report)
     # The reference: the float16 product overflows, yet the loss and the
     # gradients at the starting scale are finite.
@@ -349,7 +354,7 @@ def test_a_non_finite_input_is_named_not_blamed_on_the_op_reading_it(where):
     else:
         kernel = params["Dense_1"]["kernel"]
         params["Dense_1"]["kernel"] = kernel.at[0, 0].set(np.inf)
-    report = lossscale.preflight(loss_fn, params, x, y)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y)
     assert report.codes == {"forward-overflow"}, str(report)
     (finding,) = report.findings
     assert finding.where == where, str(report)
@@ -379,7 +384,7 @@ def test_forward_headroom_is_a_float16_sum_near_its_largest_value():
         logits = model.apply({"params": params}, pixels).astype(F32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    report = lossscale.preflight(loss_fn, params, pixels, y)
+    report = lossscale.diagnostics.preflight(loss_fn, params, pixels, y)
     assert report.codes == {"forward-headroom"}, str(report)
     assert report.findings[0].where == line_of("sum-line")
     # The reference: the largest column sum, in float64, is within 8x of 65504.
@@ -397,14 +402,14 @@ def test_loss_in_half_is_a_cross_entropy_on_float16_logits_with_its_line():
         logits = model.apply({"params": params}, x)  # float16
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()  # ce
 
-    report = lossscale.preflight(loss_fn, params, x, y)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y)
     assert report.codes == {"loss-in-half"}, str(report)
     assert report.findings[0].where == line_of("ce")
 
 
 def test_gradient_overflow_is_a_summed_loss_at_the_default_scale():
     loss_fn, params, x, y = digits_problem(loss="sum")
-    report = lossscale.preflight(loss_fn, params, x, y)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y)
     assert report.codes == {"gradient-overflow"}, str(report)
     # The reference: plain gradients at the default start, 2**15, overflow.
     finite = finite_at(loss_fn, params, x, y)
@@ -436,7 +441,7 @@ def lost_to_zero(loss_fn, params, *args, low, high):
 @pytest.mark.slow
 def test_gradient_underflow_is_a_deep_sigmoid_mlp_at_a_low_static_scale():
     loss_fn, params, *args = demo_problem()
-    report = lossscale.preflight(loss_fn, params, *args, loss_scale=2.0**4)
+    report = lossscale.diagnostics.preflight(loss_fn, params, *args, loss_scale=2.0**4)
     assert report.codes == {"gradient-underflow"}, str(report)
     (finding,) = report.findings
     # The reference: plain gradients at 2**4 against those at report.scale.
@@ -454,7 +459,7 @@ def test_gradient_underflow_says_how_many_values_its_scale_still_loses():
     keys = jax.random.split(jax.random.key(0), 3)
     params = {"w": jax.random.normal(keys[0], (256, 16)) / 4}
     x, y = (jax.random.normal(k, (256, 16)) for k in keys[1:])
-    report = lossscale.preflight(loss_fn, params, x, y, loss_scale=4.0)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y, loss_scale=4.0)
     assert report.codes == {"gradient-underflow"}, str(report)
     (finding,) = report.findings
 
@@ -481,7 +486,7 @@ def test_gradient_underflow_says_how_many_values_its_scale_still_loses():
 @pytest.mark.slow
 def test_unscaled_half_gradients_is_the_deep_mlp_without_loss_scaling():
     loss_fn, params, *args = demo_problem()
-    report = lossscale.preflight(
+    report = lossscale.diagnostics.preflight(
         loss_fn, params, *args, loss_scale=lossscale.NoOpLossScale()
     )
     assert report.codes == {"unscaled-half-gradients"}, str(report)
@@ -494,7 +499,7 @@ def test_optimizer_underflow_is_adams_eps_with_float16_parameters():
     model = DigitsMLP(dtype=F16, param_dtype=F16)
     loss_fn, params, x, y = digits_problem(model)
     tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
-    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y, optimizer=tx)
     assert report.codes == {"optimizer-underflow"}, str(report)
     (finding,) = report.findings
     assert finding.severity == "error"
@@ -541,7 +546,7 @@ def test_optimizer_underflow_is_an_eps_held_in_a_float16_optimizer_state():
     # `inject_hyperparams` keeps `eps` in the state, in the parameters' dtype.
     adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     tx = lossscale.wrap(adam, "dynamic")
-    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y, optimizer=tx)
     assert report.codes == {"optimizer-underflow"}, str(report)
     assert "gradients of zero" in report.findings[0].message
     # The reference: the state holds eps as float16 0, so optax's update of a
@@ -557,7 +562,7 @@ def test_a_typed_prng_key_in_the_optimizer_state_is_held_fixed():
     noisy = optax.chain(
         optax.add_noise(1e-8, 0.55, jax.random.key(0)), optax.adam(1e-3)
     )
-    report = lossscale.preflight(
+    report = lossscale.diagnostics.preflight(
         loss_fn, params, x, y, optimizer=lossscale.wrap(noisy, "dynamic")
     )
     assert report.codes == {"optimizer-underflow"}, str(report)
@@ -573,7 +578,7 @@ def test_update_underflow_is_adam_on_bfloat16_parameters():
     model = DigitsMLP(dtype=BF16, param_dtype=BF16)
     loss_fn, params, x, y = digits_problem(model)
     tx = optax.adam(1e-4)  # below half a bfloat16 ulp of most weights (|w| > 2**-5)
-    report = lossscale.preflight(
+    report = lossscale.diagnostics.preflight(
         loss_fn, params, x, y, optimizer=tx, loss_scale=lossscale.NoOpLossScale()
     )
     assert report.codes == {"update-underflow"}, str(report)
@@ -602,11 +607,11 @@ def test_bfloat16_dynamic_scale_is_information_only():
     model = DigitsMLP(dtype=BF16, param_dtype=F32)
     loss_fn, params, x, y = digits_problem(model)
     tx = lossscale.wrap(optax.adam(1e-3), "dynamic")
-    report = lossscale.preflight(loss_fn, params, x, y, optimizer=tx)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y, optimizer=tx)
     assert report.codes == {"bfloat16-dynamic-scale"}, str(report)
     assert report.findings[0].severity == "info"
     # Without the dynamic scale, nothing is said.
-    none = lossscale.preflight(
+    none = lossscale.diagnostics.preflight(
         loss_fn, params, x, y, loss_scale=lossscale.NoOpLossScale()
     )
     assert none.codes == set(), str(none)
@@ -655,7 +660,7 @@ def sgd_steps():
 @pytest.mark.slow
 def test_preflight_step_finds_the_unscaled_loss_and_the_clip_outside_the_wrap():
     for name, (step, state) in sgd_steps().items():
-        report = lossscale.preflight_step(step, state)
+        report = lossscale.diagnostics.preflight_step(step, state)
         expected = set() if name == "right" else {"scale-dependent-step"}
         assert report.codes == expected, (name, str(report))
         if name != "right":
@@ -754,7 +759,7 @@ FIXES = {
 @pytest.mark.parametrize("api, mistake", list(SMALL_STEPS), ids=str)
 def test_preflight_step_says_which_mistake_and_the_fix_for_the_api_used(api, mistake):
     step, state = SMALL_STEPS[api, mistake]
-    report = lossscale.preflight_step(jax.jit(step), state, X)
+    report = lossscale.diagnostics.preflight_step(jax.jit(step), state, X)
     if mistake is None:
         assert report.codes == set(), str(report)
         return
@@ -776,9 +781,11 @@ def test_preflight_step_runs_a_step_that_donates_its_state_on_copies(api):
     for mistake in (None, "unscaled loss"):
         step, state = SMALL_STEPS[api, mistake]
         before = jax.tree.map(np.array, state)
-        donating = lossscale.preflight_step(jax.jit(step, donate_argnums=0), state, X)
+        donating = lossscale.diagnostics.preflight_step(
+            jax.jit(step, donate_argnums=0), state, X
+        )
         # The reference: the same step, without donation.
-        plain = lossscale.preflight_step(jax.jit(step), state, X)
+        plain = lossscale.diagnostics.preflight_step(jax.jit(step), state, X)
         assert donating == plain, f"{donating}\n{plain}"
         # The caller's arrays are alive, and as they were.
         leaves = jax.tree.leaves(state)
@@ -802,7 +809,7 @@ def test_preflight_step_runs_a_step_that_donates_its_batch_on_a_copy():
         return {"params": new, "opt_state": opt_state}, batch * 2  # reuses its buffer
 
     batch = jnp.ones(8)
-    report = lossscale.preflight_step(
+    report = lossscale.diagnostics.preflight_step(
         jax.jit(step, donate_argnums=(0, 1)), state, batch
     )
     assert report.findings == (), report
@@ -832,13 +839,13 @@ def test_preflight_step_names_donation_by_a_step_bound_to_its_own_objects():
     jitted = nnx.jit(train_step, donate_argnames=("optimizer",))
     bound = functools.partial(nnx.cached_partial(jitted, model, optimizer))
     with pytest.raises(ValueError, match=r"`step` donated \(deleted\) an array"):
-        lossscale.preflight_step(
+        lossscale.diagnostics.preflight_step(
             lambda state, x: (bound(x), state)[1], (model, optimizer), X
         )
     # The fix it gives: the step over the state it is given, donating or not.
     model, optimizer = fresh()
     for fn in (nnx.jit(train_step), jitted):
-        report = lossscale.preflight_step(
+        report = lossscale.diagnostics.preflight_step(
             lambda state, x, fn=fn: (fn(*state, x), state)[1], (model, optimizer), X
         )
         assert report.codes == set(), str(report)
@@ -912,7 +919,7 @@ def test_preflight_step_finds_a_step_that_drops_the_loss_scale_it_was_returned(a
         is_leaf=lambda x: isinstance(x, lossscale.LossScale),
     )
     assert int(lossscale.get_loss_scale(step(inf_state, X)).skipped_steps) == 0
-    report = lossscale.preflight_step(jax.jit(step), state, X)
+    report = lossscale.diagnostics.preflight_step(jax.jit(step), state, X)
     (finding,) = report.findings
     assert (finding.code, finding.severity, finding.where) == (
         "loss-scale-not-returned",
@@ -934,7 +941,7 @@ def test_a_step_that_drops_the_loss_scale_and_depends_on_it_says_both():
         updates, _ = lossscale.wrap(optax.sgd(0.1)).update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    report = lossscale.preflight_step(unscaled_and_dropped, state, X)
+    report = lossscale.diagnostics.preflight_step(unscaled_and_dropped, state, X)
     (finding,) = report.findings
     assert finding.code == "loss-scale-not-returned", str(report)
     assert "also changes with the loss scale ([0] (differs by" in finding.message
@@ -978,7 +985,7 @@ def test_an_nnx_optimizer_step_is_checked_on_copies_of_the_model_and_optimizer()
     for scaled in (True, False):
         model, optimizer, _, step = nnx_program(scaled)
         kernel, loss_scale = np.array(model.kernel[...]), optimizer.loss_scale
-        report = lossscale.preflight_step(step, (model, optimizer), x, y)
+        report = lossscale.diagnostics.preflight_step(step, (model, optimizer), x, y)
         if scaled:
             assert report.codes == set(), str(report)
         else:
@@ -999,16 +1006,18 @@ def test_an_nnx_optimizer_with_a_static_scale_is_refused_saying_what_to_build():
         model, optax.sgd(0.1), wrt=nnx.Param, loss_scale=1024.0
     )
     with pytest.raises(ValueError, match="needs a `DynamicLossScale`.*'dynamic'"):
-        lossscale.preflight_step(lambda s, x: s, (model, optimizer), jnp.ones((1, 2)))
+        lossscale.diagnostics.preflight_step(
+            lambda s, x: s, (model, optimizer), jnp.ones((1, 2))
+        )
 
 
 def test_preflight_takes_an_nnx_optimizer_for_its_tx_and_its_loss_scale():
     # Issue 50: it was refused as "not an optax transformation".
     model, optimizer, loss_fn, _ = nnx_program()
     x, y = jnp.ones((16, 8)), jnp.ones((16, 1))
-    report = lossscale.preflight(loss_fn, model, x, y, optimizer=optimizer)
+    report = lossscale.diagnostics.preflight(loss_fn, model, x, y, optimizer=optimizer)
     # The reference: its transformation, at its loss scale.
-    expected = lossscale.preflight(
+    expected = lossscale.diagnostics.preflight(
         loss_fn, model, x, y, optimizer=optimizer.tx, loss_scale=optimizer.loss_scale
     )
     assert report == expected, f"{report}\n{expected}"
@@ -1031,7 +1040,9 @@ def step(state, x):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 params = jnp.ones(4)
-report = lossscale.preflight_step(step, (params, tx.init(params)), jnp.ones((2, 4)))
+report = lossscale.diagnostics.preflight_step(
+    step, (params, tx.init(params)), jnp.ones((2, 4))
+)
 print("lossscale.flax" in sys.modules, report.findings[0].fix)
 """
     root = str(pathlib.Path(__file__).resolve().parents[1])
@@ -1068,7 +1079,7 @@ def test_an_nnx_model_is_checked_through_its_call():
         logits = model(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()  # nnx
 
-    report = lossscale.preflight(loss_fn, model, x, y)
+    report = lossscale.diagnostics.preflight(loss_fn, model, x, y)
     assert report.codes == {"loss-in-half"}, str(report)
     assert report.findings[0].where == line_of("nnx")
 
@@ -1090,7 +1101,7 @@ def test_an_equinox_model_with_aux_and_a_key_argument_is_clean():
         return losses.mean(), {"accuracy": jnp.mean(jnp.argmax(h, -1) == y)}
 
     tx = lossscale.wrap(optax.adam(1e-3))
-    report = lossscale.preflight(
+    report = lossscale.diagnostics.preflight(
         loss_fn, model, x, y, jax.random.key(1), has_aux=True, optimizer=tx
     )
     assert serious(report) == [], str(report)
@@ -1116,7 +1127,7 @@ def test_what_cannot_be_checked_is_refused_by_name(kwargs, error, match):
     arguments.update(kwargs)
     loss_fn, params = arguments.pop("loss_fn"), arguments.pop("params")
     with pytest.raises(error, match=match):
-        lossscale.preflight(loss_fn, params, jnp.ones(2), **arguments)
+        lossscale.diagnostics.preflight(loss_fn, params, jnp.ones(2), **arguments)
 
 
 def test_arguments_or_has_aux_that_do_not_fit_loss_fn_say_what_to_pass():
@@ -1125,34 +1136,38 @@ def test_arguments_or_has_aux_that_do_not_fit_loss_fn_say_what_to_pass():
 
     bound = r"`loss_fn\(p, x\)` cannot take .* `preflight\(loss_fn, params, x, y\)`"
     with pytest.raises(TypeError, match=bound):
-        lossscale.preflight(loss_fn, jnp.ones(2), jnp.ones(2), jnp.ones(2))
+        lossscale.diagnostics.preflight(loss_fn, jnp.ones(2), jnp.ones(2), jnp.ones(2))
     with pytest.raises(TypeError, match="pass `has_aux=False`"):
-        lossscale.preflight(loss_fn, jnp.ones(2), jnp.ones(2), has_aux=True)
+        lossscale.diagnostics.preflight(loss_fn, jnp.ones(2), jnp.ones(2), has_aux=True)
 
 
 def test_a_traced_call_a_non_scalar_loss_and_a_collective_are_refused():
     def traced(w):
-        return lossscale.preflight(lambda p: jnp.sum(p), w).scale
+        return lossscale.diagnostics.preflight(lambda p: jnp.sum(p), w).scale
 
     with pytest.raises(TypeError, match="outside `jax.jit`"):
         jax.jit(traced)(jnp.ones(2))
     with pytest.raises(ValueError, match="must be a scalar"):
-        lossscale.preflight(lambda p: p * 2, jnp.ones(2))
+        lossscale.diagnostics.preflight(lambda p: p * 2, jnp.ones(2))
     with pytest.raises(ValueError, match="reduces over a mapped axis"):
-        lossscale.preflight(lambda p: jax.lax.pmean(jnp.sum(p), "batch"), jnp.ones(2))
+        lossscale.diagnostics.preflight(
+            lambda p: jax.lax.pmean(jnp.sum(p), "batch"), jnp.ones(2)
+        )
     with pytest.raises(ValueError, match="cannot be set"):
         params = jnp.ones(2)
         tx = lossscale.wrap(optax.sgd(0.1), None)
-        lossscale.preflight_step(lambda s: s, (params, tx.init(params)))
+        lossscale.diagnostics.preflight_step(lambda s: s, (params, tx.init(params)))
     with pytest.raises(TypeError, match="must return the new state"):
         params = jnp.ones(2)
         tx = lossscale.wrap(optax.sgd(0.1))
-        lossscale.preflight_step(lambda s: {"other": s[0]}, (params, tx.init(params)))
+        lossscale.diagnostics.preflight_step(
+            lambda s: {"other": s[0]}, (params, tx.init(params))
+        )
 
 
 def test_the_report_prints_a_table_errors_first():
-    finding = functools.partial(lossscale.Finding, message="m.", fix="f.")
-    report = lossscale.PreflightReport(
+    finding = functools.partial(lossscale.diagnostics.Finding, message="m.", fix="f.")
+    report = lossscale.diagnostics.PreflightReport(
         findings=(
             finding(code="forward-overflow", severity="error", where="a.py:3"),
             finding(code="gradient-underflow", severity="warning", where="['w']"),
@@ -1178,7 +1193,7 @@ def test_the_report_prints_a_table_errors_first():
 @pytest.mark.slow
 def test_starting_at_report_scale_loses_no_batch_where_the_default_loses_some():
     loss_fn, params, x, y = digits_problem(loss="sum")
-    report = lossscale.preflight(loss_fn, params, x, y)
+    report = lossscale.diagnostics.preflight(loss_fn, params, x, y)
     tx = optax.adam(1e-3)
 
     @jax.jit
@@ -1207,7 +1222,7 @@ def test_gradient_underflow_of_a_bare_array_names_the_one_array():
 
     keys = jax.random.split(jax.random.key(0), 3)
     w, x, y = (jax.random.normal(k, (256, 16)) for k in keys)
-    report = lossscale.preflight(loss_fn, w / 4, x, y, loss_scale=4.0)
+    report = lossscale.diagnostics.preflight(loss_fn, w / 4, x, y, loss_scale=4.0)
     assert report.codes == {"gradient-underflow"}, str(report)
     (finding,) = report.findings
     assert finding.message.endswith(", in the one parameter array."), finding.message

@@ -160,8 +160,8 @@ def nan_in_one_row(params, x):
 def test_preflight_traces_a_nan_in_one_shard_of_the_batch_to_its_line(mesh):
     params = {"w": jnp.full((16, 16), 0.1)}
     x = jnp.ones((64, 16)).at[27].set(10.0)  # row 27: device 3's
-    replicated = lossscale.preflight(nan_in_one_row, params, x)
-    sharded = lossscale.preflight(
+    replicated = lossscale.diagnostics.preflight(nan_in_one_row, params, x)
+    sharded = lossscale.diagnostics.preflight(
         nan_in_one_row, params, jax.device_put(x, NamedSharding(mesh, P("data")))
     )
     line = helpers.line_of(__file__, "exp-line")
@@ -176,7 +176,7 @@ def test_preflight_traces_a_nan_in_one_shard_of_the_batch_to_its_line(mesh):
 @pytest.mark.parametrize("layout", SPECS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_grad_stats_max_abs_is_nan_for_a_nan_anywhere(mesh, dtype, layout):
-    stats = jax.jit(lambda tree: lossscale.grad_stats(tree))
+    stats = jax.jit(lambda tree: lossscale.diagnostics.grad_stats(tree))
     clean = gradients(dtype, SHAPES["large"])
     for bad in (np.nan, -np.nan):
         grads = gradients(dtype, SHAPES["large"], bad)

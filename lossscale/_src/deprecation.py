@@ -22,7 +22,9 @@ MIGRATION = "docs/migration/lossscale_0_2.md"
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def warn(message: str) -> None:
+def warn(
+    message: str, note: str = f"lossscale 0.2's spelling; see {MIGRATION}"
+) -> None:
     """A `DeprecationWarning` attributed to the first caller outside lossscale."""
     # Python 3.11 has no `skip_file_prefixes`: count the package's own frames.
     level = 2
@@ -32,7 +34,7 @@ def warn(message: str) -> None:
     ):
         level, frame = level + 1, frame.f_back
     warnings.warn(
-        f"{message} (lossscale 0.2's spelling; see {MIGRATION})",
+        f"{message} ({note})",
         DeprecationWarning,
         stacklevel=level,
     )

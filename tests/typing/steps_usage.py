@@ -67,8 +67,10 @@ def wrapped_step(params: jax.Array, x: jax.Array) -> jax.Array:
     assert_type(loss_scale.scale, jax.Array)
     assert_type(loss_scale.skipped_steps, jax.Array)
     assert_type(lossscale.metrics(opt_state), dict[str, jax.Array])
-    assert_type(lossscale.leaf_path(params, loss_scale.overflow_leaf), str | None)
-    lossscale.check_config(loss_scale.get_config(), loss_scale)
+    assert_type(
+        lossscale.diagnostics.leaf_path(params, loss_scale.overflow_leaf), str | None
+    )
+    lossscale.checkpoints.check_config(loss_scale.get_config(), loss_scale)
     scaled_fn = lossscale.scale_loss(lambda: jnp.sum(params * x), opt_state)
     assert_type(scaled_fn, Callable[[], jax.Array])
     return lossscale.scale_loss(jnp.sum(params * x), opt_state)

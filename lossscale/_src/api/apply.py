@@ -8,7 +8,7 @@ from typing import cast
 import jax
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import lookup
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kind import LossScaleT
@@ -16,7 +16,7 @@ from lossscale._src.step import fp8
 from lossscale._src.step import step
 
 
-@checks.by_keyword(
+@validation.by_keyword(
     1,
     "`lossscale.apply_gradients(tx, grads=grads, params=params,"
     " opt_state=opt_state, loss_scale=loss_scale)`",
@@ -29,7 +29,7 @@ def apply_gradients(
     opt_state: optax.OptState,
     loss_scale: LossScaleT,
     value: jax.typing.ArrayLike | None = None,
-    axis_name: checks.AxisName | None = None,
+    axis_name: validation.AxisName | None = None,
     clip_norm: float | None = None,
     **extra_args: Any,
 ) -> tuple[Any, optax.OptState, LossScaleT]:
@@ -89,7 +89,7 @@ def apply_gradients(
       >>> print(params, loss_scale.skipped_steps)
       0.5 0
     """
-    checks.validate_transformation(tx, "tx")
+    validation.validate_transformation(tx, "tx")
     if not isinstance(loss_scale, LossScale):
         got = (
             f"the class `{loss_scale.__name__}` (pass an instance)"

@@ -45,7 +45,7 @@ def _from_state_dict(target: LossScale, state: dict[str, Any], name: str = ".") 
         raise ValueError(
             f"The state dict at {name!r} must hold the fields {list(names)} of"
             f" a `{cls.__name__}`, got {got}. (A lossscale 0.2 state held"
-            " `int32_fields`/`float32_fields`: see `lossscale.from_checkpoint_0_2`.)"
+            " `int32_fields`/`float32_fields`: see `lossscale.checkpoints.upgrade`.)"
         )
     leaves = [
         serialization.from_state_dict(getattr(target, n), state[n], name=n)

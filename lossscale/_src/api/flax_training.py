@@ -18,7 +18,7 @@ from flax import nnx
 from flax import struct
 from flax.training import train_state
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import apply
 from lossscale._src.api import flax_serialization  # noqa: F401 - registers the kinds
 from lossscale._src.api import lookup
@@ -83,7 +83,7 @@ class TrainState(train_state.TrainState):
         params: Any,
         tx: optax.GradientTransformation,
         loss_scale: kinds.StateOrSpec = "dynamic",
-        axis_name: checks.AxisName | None = None,
+        axis_name: validation.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs: Any,
     ) -> Self:
@@ -114,7 +114,7 @@ class TrainState(train_state.TrainState):
           ValueError: if `tx` holds a loss-scale state already, `clip_norm` is
             not positive, or Flax fp8 variables meet an `optax.MultiSteps`.
         """
-        checks.validate_transformation(tx, "tx")
+        validation.validate_transformation(tx, "tx")
         options = step.step_options(axis_name, clip_norm)
         template = kinds.from_spec(loss_scale)
         _validate_field_names(cls, kwargs, "create", ("step", "opt_state"))
@@ -135,7 +135,7 @@ class TrainState(train_state.TrainState):
             **kwargs,
         )
 
-    @checks.by_keyword(1, "`state.apply_gradients(grads=grads)`")
+    @validation.by_keyword(1, "`state.apply_gradients(grads=grads)`")
     def apply_gradients(
         self, *, grads: Any, value: jax.typing.ArrayLike | None = None, **kwargs: Any
     ) -> Self:
@@ -262,7 +262,7 @@ class Optimizer(nnx.Optimizer):
         *,
         wrt: Any,
         loss_scale: kinds.StateOrSpec = "dynamic",
-        axis_name: checks.AxisName | None = None,
+        axis_name: validation.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs: Any,
     ):

@@ -9,7 +9,7 @@ from typing import overload
 
 import jax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import lookup
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import finite
@@ -75,7 +75,7 @@ def scaled(loss: Any, state: LossScale) -> jax.Array:
     For lossscale's own tracing (`locate_overflow`), which closes over a state
     on purpose.
     """
-    loss = checks.validate_loss(loss)
+    loss = validation.validate_loss(loss)
     loss = loss.astype(unscaling.wide_dtype(loss.dtype))
     if unscaling.always_one(state):
         return loss
@@ -117,11 +117,11 @@ def unscale_grads(grads: Any, loss_scale: Any) -> Any:
     _refuse_swapped(grads, "grads", "unscale_grads(grads, loss_scale)")
     state = lookup.find(loss_scale, "loss_scale")
     grads, metadata = fp8.split_off(grads, "grads")
-    checks.validate_gradients(grads)
+    validation.validate_gradients(grads)
     return fp8.merge(unscaling.unscale(grads, state), metadata)
 
 
-def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array:
+def all_finite(tree: Any, axis_name: validation.AxisName | None = None) -> jax.Array:
     """Returns True when every element of every leaf of `tree` is finite.
 
     One reduction per leaf, reading each leaf once (in the form XLA fuses; see
@@ -160,9 +160,9 @@ def all_finite(tree: Any, axis_name: checks.AxisName | None = None) -> jax.Array
       ...                axis_name="i")(x))
       [False False]
     """
-    axis_name = checks.validate_axis_name(axis_name)
-    checks.refuse_unbound_axis(axis_name, "all_finite")
-    checks.refuse_sparse(tree, "tree")
+    axis_name = validation.validate_axis_name(axis_name)
+    validation.refuse_unbound_axis(axis_name, "all_finite")
+    validation.refuse_sparse(tree, "tree")
     return finite.agree(finite.all_finite_leaves(jax.tree.leaves(tree)), axis_name)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import functional
 from lossscale._src.api import lookup
 
@@ -19,7 +19,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
-    axis_name: checks.AxisName | None = None,
+    axis_name: validation.AxisName | None = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like `jax.value_and_grad`, but differentiates the loss times the loss scale.
 
@@ -65,7 +65,7 @@ def value_and_grad(
     if not isinstance(has_aux, bool):
         raise TypeError(f"`has_aux` must be a bool, got {has_aux!r}.")
     _validate_argnums(argnums)
-    axis_name = checks.validate_axis_name(axis_name)
+    axis_name = validation.validate_axis_name(axis_name)
 
     def scaled_fun(state, *args, **kwargs):
         loss, aux = split_loss(fun(*args, **kwargs), has_aux, "fun", "fun(...)")
@@ -80,7 +80,7 @@ def value_and_grad(
                 " `grad_fn(loss_scale, *args, **kwargs)`: the loss-scale state, or"
                 " the optimizer state holding it, first, then `fun`'s arguments.)"
             ) from None
-        checks.refuse_unbound_axis(axis_name, "value_and_grad")
+        validation.refuse_unbound_axis(axis_name, "value_and_grad")
         if max(_entries(argnums)) >= len(args):
             raise ValueError(
                 f"`argnums` is {argnums!r} but `fun` was given {len(args)}"
@@ -122,7 +122,7 @@ def split_loss(out: Any, has_aux: bool, name: str, call: str) -> tuple[jax.Array
             f" {_described(out)}.{hint}"
         )
     loss, aux = out if has_aux else (out, None)
-    return checks.validate_loss(loss, f"{call}[0]" if has_aux else call), aux
+    return validation.validate_loss(loss, f"{call}[0]" if has_aux else call), aux
 
 
 def _described(out: Any) -> str:

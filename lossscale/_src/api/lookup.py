@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import fp8
 from lossscale._src.step import unscaling
@@ -69,7 +69,7 @@ def find(value: Any, name: str) -> LossScale:
     if (
         value is None
         or isinstance(value, str)
-        or checks.is_number(value)
+        or validation.is_number(value)
         or jax.tree_util.treedef_is_leaf(jax.tree.structure(value))
     ):
         raise TypeError(
@@ -131,7 +131,7 @@ def scale_to_evaluate_at(value: Any, name: str, owner: str) -> Any:
     `grad_stats` and `locate_overflow` evaluate at a scale, so a number is a
     question there, not a state to create; a string or None is neither.
     """
-    if checks.is_number(value):
+    if validation.is_number(value):
         return value
     if value is None or isinstance(value, str):
         raise TypeError(

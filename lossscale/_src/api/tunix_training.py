@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import functional
 from lossscale._src.api import lookup
 from lossscale._src.api import wrapper
@@ -103,7 +103,7 @@ def wrap(
     transformation = Transformation(init_fn, update_fn)
     transformation.inner = inner
     transformation.loss_scale = template
-    transformation.clip_norm = checks.validate_clip_norm(clip_norm)
+    transformation.clip_norm = validation.validate_clip_norm(clip_norm)
     return transformation
 
 

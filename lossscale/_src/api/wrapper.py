@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import lookup
 from lossscale._src.state import kinds
 from lossscale._src.state.kind import LossScale
@@ -50,7 +50,7 @@ def wrap(
     inner: optax.GradientTransformation,
     loss_scale: kinds.StateOrSpec = "dynamic",
     *,
-    axis_name: checks.AxisName | None = None,
+    axis_name: validation.AxisName | None = None,
     clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optax transformation with loss scaling.
@@ -202,7 +202,7 @@ def prepared(inner: Any) -> tuple[Any, bool]:
     accumulates = isinstance(inner, optax.MultiSteps)
     if accumulates:
         inner = inner.gradient_transformation()
-    checks.validate_transformation(inner, "inner")
+    validation.validate_transformation(inner, "inner")
     return optax.with_extra_args_support(inner), accumulates
 
 

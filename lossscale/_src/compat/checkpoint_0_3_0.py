@@ -44,13 +44,8 @@ def checkpoint_0_3_0_layout(target: Any) -> Any:
     Raises:
       ValueError: if `target` holds no loss-scale state.
 
-    Examples:
-      >>> import jax.numpy as jnp, lossscale
-      >>> layout = lossscale.checkpoint_0_3_0_layout(
-      ...     {"w": jnp.zeros(2), "loss_scale": lossscale.StaticLossScale(8.0)})
-      >>> print(sorted(layout["loss_scale"]))
-      ['consecutive_skips', 'forward_overflows', 'overflow_leaf', 'skipped_steps',
-       'stuck']
+    Deprecated in 0.4 as `lossscale.checkpoint_0_3_0_layout`: it is
+    `lossscale.checkpoints.layout(target, "0.3.0")` now.
     """
     found = [False]
 
@@ -99,49 +94,44 @@ def from_checkpoint_0_3_0(restored: Any, target: Any) -> Any:
         the fields 0.3.0 saved, or the trees do not match.
       TypeError: if it holds a state already (a checkpoint of this version).
 
-    Examples:
-      >>> import jax.numpy as jnp, lossscale
-      >>> target = {"loss_scale": lossscale.DynamicLossScale()}
-      >>> restored = lossscale.checkpoint_0_3_0_layout(target)  # as restored
-      >>> restored["loss_scale"]["skipped_steps"] = jnp.int32(2)
-      >>> state = lossscale.from_checkpoint_0_3_0(restored, target)["loss_scale"]
-      >>> print(state.skipped_steps, state.overflow_scale)
-      2 0.0
+    Deprecated in 0.4 as `lossscale.from_checkpoint_0_3_0`: it is
+    `lossscale.checkpoints.upgrade(restored, target)` now.
     """
-
-    def rebuilt(path: Any, node: Any, value: Any) -> Any:
-        if not isinstance(node, LossScale):
-            return value
-        where = f"restored{jax.tree_util.keystr(path)}"
-        if isinstance(value, LossScale):
-            raise TypeError(
-                f"`{where}` is a `{type(value).__name__}` already: the checkpoint"
-                " was written after 0.3.0 and restores as it is, without the 0.3.0"
-                " layout."
-            )
-        kind = type(node)
-        names = kind_fields.leaf_names(kind)
-        saved = [n for n in names if n not in ADDED_AFTER_0_3_0]
-        if not isinstance(value, Mapping) or set(value) != set(saved):
-            got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
-            raise ValueError(
-                f"`{where}` must hold the fields 0.3.0 saved of a `{kind.__name__}`,"
-                f" {saved}, got {got}: restore into `checkpoint_0_3_0_layout(target)`"
-                " with the same `target`."
-            )
-        specs = kind_fields.specs(kind)
-        batch = jnp.shape(value["skipped_steps"])  # a state stacked for `pmap`
-        leaves = [
-            jnp.asarray(value[n], specs[n].dtype)
-            if n in value
-            else jnp.full(batch + specs[n].shape, _DEFAULTS[n], specs[n].dtype)
-            for n in names
-        ]
-        return jax.tree.unflatten(jax.tree.structure(node), leaves)
-
     return jax.tree_util.tree_map_with_path(
         rebuilt, target, restored, is_leaf=lambda x: isinstance(x, LossScale)
     )
+
+
+def rebuilt(path: Any, node: Any, value: Any) -> Any:
+    """The state at `path` of `target` (`node`), from what was restored there."""
+    if not isinstance(node, LossScale):
+        return value
+    where = f"restored{jax.tree_util.keystr(path)}"
+    if isinstance(value, LossScale):
+        raise TypeError(
+            f"`{where}` is a `{type(value).__name__}` already: the checkpoint"
+            " was written after 0.3.0 and restores as it is, without the 0.3.0"
+            " layout."
+        )
+    kind = type(node)
+    names = kind_fields.leaf_names(kind)
+    saved = [n for n in names if n not in ADDED_AFTER_0_3_0]
+    if not isinstance(value, Mapping) or set(value) != set(saved):
+        got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+        raise ValueError(
+            f"`{where}` must hold the fields 0.3.0 saved of a `{kind.__name__}`,"
+            f" {saved}, got {got}: restore into `lossscale.checkpoints.layout(target,"
+            ' "0.3.0")` with the same `target`.'
+        )
+    specs = kind_fields.specs(kind)
+    batch = jnp.shape(value["skipped_steps"])  # a state stacked for `pmap`
+    leaves = [
+        jnp.asarray(value[n], specs[n].dtype)
+        if n in value
+        else jnp.full(batch + specs[n].shape, _DEFAULTS[n], specs[n].dtype)
+        for n in names
+    ]
+    return jax.tree.unflatten(jax.tree.structure(node), leaves)
 
 
 # The counters' defaults, which a 0.3.0 checkpoint's missing ones take.

@@ -6,7 +6,7 @@ static scale and a no-op scale even have the same arrays. Saving
 `state.get_config()` next to the arrays lets a restore check that the code's loss
 scale is the one the checkpoint was written with (`check_config`). lossscale 0.2
 packed a state's fields into one array per dtype; `checkpoint_0_2_layout` and
-`from_checkpoint_0_2` read those.
+`from_checkpoint_0_2` read those (through `versions.layout` and `versions.upgrade`).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
     Examples:
       >>> import lossscale
       >>> saved = lossscale.DynamicLossScale().get_config()
-      >>> lossscale.check_config(saved, lossscale.DynamicLossScale())
+      >>> lossscale.checkpoints.check_config(saved, lossscale.DynamicLossScale())
       >>> try:
-      ...     lossscale.check_config(saved, lossscale.StaticLossScale(1024))
+      ...     lossscale.checkpoints.check_config(saved, lossscale.StaticLossScale(1024))
       ... except ValueError as error:
       ...     print(str(error).splitlines()[0])
       The checkpoint was written with another loss scale than the code's:
@@ -109,11 +109,8 @@ def checkpoint_0_2_layout(
     Returns:
       `{"int32_fields": ShapeDtypeStruct, ...}`, as 0.2 named its leaves.
 
-    Examples:
-      >>> import lossscale
-      >>> print(lossscale.checkpoint_0_2_layout({"kind": "dynamic"}))
-      {'int32_fields': ShapeDtypeStruct(shape=(6,), dtype=int32),
-       'float32_fields': ShapeDtypeStruct(shape=(1,), dtype=float32)}
+    Deprecated in 0.4 as `lossscale.checkpoint_0_2_layout`: it is
+    `lossscale.checkpoints.layout(target, "0.2")` now.
     """
     if not (
         isinstance(batch_shape, tuple)
@@ -150,19 +147,10 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
       TypeError: if `arrays` holds the layout itself (the restore target), not
         restored arrays, or the arguments are swapped.
 
-    Examples:
-      >>> import numpy as np
-      >>> import lossscale
-      >>> state = lossscale.from_checkpoint_0_2(
-      ...     {"int32_fields": np.array([2, 0, 0, 0, 1, 2]),
-      ...      "float32_fields": np.array([512.0])},
-      ...     {"kind": "dynamic", "growth_interval": 3, "growth_factor": 2.0,
-      ...      "backoff_factor": 0.5, "min_scale": 1.0, "max_scale": 2.0**24,
-      ...      "hysteresis": 2})
-      >>> print(state.scale, state.counter, state.skipped_steps, state.hysteresis)
-      512.0 1 2 2
+    Deprecated in 0.4 as `lossscale.from_checkpoint_0_2`: it is
+    `lossscale.checkpoints.upgrade(restored, target)` now.
     """
-    if isinstance(arrays, Mapping) and "kind" in arrays and _is_packed(config):
+    if isinstance(arrays, Mapping) and "kind" in arrays and is_packed(config):
         raise TypeError(
             "`from_checkpoint_0_2(arrays, config)` got the config as `arrays` and"
             " the arrays as `config`: swap them."
@@ -198,7 +186,8 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
     return jax.tree.unflatten(jax.tree.structure(state), leaves)
 
 
-def _is_packed(value: Any) -> bool:
+def is_packed(value: Any) -> bool:
+    """Whether `value` holds 0.2's packed arrays (keys named `*_fields`)."""
     return isinstance(value, Mapping) and any(
         isinstance(key, str) and key.endswith("_fields") for key in value
     )
@@ -215,26 +204,27 @@ def _validate_arrays(arrays: Any, layout: dict, kind: str) -> None:
     if not isinstance(arrays, Mapping) or set(arrays) != set(layout):
         got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
         paths, _ = jax.tree_util.tree_flatten_with_path(
-            arrays, is_leaf=lambda node: _is_packed(node) and set(node) == set(layout)
+            arrays, is_leaf=lambda node: is_packed(node) and set(node) == set(layout)
         )
         inside = [
             jax.tree_util.keystr(path)
             for path, node in paths
-            if path and _is_packed(node) and set(node) == set(layout)
+            if path and is_packed(node) and set(node) == set(layout)
         ]
         where = f" They are at `arrays{inside[0]}`: pass that." if inside else ""
         raise ValueError(
             f"`arrays` must hold the 0.2 arrays {sorted(layout)} of a {kind!r}"
-            f" state, got {got}; restore with `checkpoint_0_2_layout(config)` as"
-            f" the target.{where}"
+            f" state, got {got}; restore into `lossscale.checkpoints.layout(target,"
+            f' "0.2")`.{where}'
         )
     for name in layout:
         if isinstance(arrays[name], jax.ShapeDtypeStruct):
             raise TypeError(
-                f"`arrays[{name!r}]` is a `ShapeDtypeStruct`: `arrays` is the restore"
-                " target from `checkpoint_0_2_layout`, not what was restored. Put"
-                " it in the target, restore the checkpoint, and pass the restored"
-                " arrays (the tree the restore returns, at the same place)."
+                f"`arrays[{name!r}]` is a `ShapeDtypeStruct`: `arrays` is the"
+                " restore target from `lossscale.checkpoints.layout`, not what was"
+                " restored. Put it in the target, restore the checkpoint, and pass"
+                " the restored arrays (the tree the restore returns, at the same"
+                " place)."
             )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.deprecation import MIGRATION
 from lossscale._src.deprecation import warn
 from lossscale._src.state import kinds
@@ -22,7 +22,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
         " `optax.tree_utils.tree_where(pred, a, b)`"
     )
     return optax.tree_utils.tree_where(
-        checks.as_predicate("pred", pred, "lossscale.all_finite(grads)"),
+        validation.as_predicate("pred", pred, "lossscale.all_finite(grads)"),
         on_true,
         on_false,
     )

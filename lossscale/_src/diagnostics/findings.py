@@ -14,7 +14,7 @@ _WIDTH = 88
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """One hazard that `lossscale.preflight` found, and what to change.
+    """One hazard that `lossscale.diagnostics.preflight` found, and what to change.
 
     Attributes:
       code: what was found, one of the codes of the preflight guide
@@ -29,7 +29,7 @@ class Finding:
 
     Examples:
       >>> import lossscale
-      >>> finding = lossscale.Finding(
+      >>> finding = lossscale.diagnostics.Finding(
       ...     code="loss-in-half", severity="warning", message="The loss is float16.",
       ...     where="train.py:12", fix="Cast the logits to float32.")
       >>> print(finding)
@@ -58,7 +58,7 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class PreflightReport:
-    """What `lossscale.preflight` or `lossscale.preflight_step` found.
+    """What `lossscale.diagnostics.preflight` or `preflight_step` found.
 
     Attributes:
       findings: the findings (each a `Finding`), errors first, then warnings,
@@ -74,7 +74,7 @@ class PreflightReport:
 
     Examples:
       >>> import lossscale
-      >>> report = lossscale.PreflightReport(findings=(), scale=2.0**17)
+      >>> report = lossscale.diagnostics.PreflightReport(findings=(), scale=2.0**17)
       >>> print(report.codes, report.scale)
       frozenset() 131072.0
       >>> print(report)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import checks
+from lossscale._src import validation
 
 
 def leaf_path(params: Any, index: Any) -> str | None:
@@ -39,9 +39,9 @@ def leaf_path(params: Any, index: Any) -> str | None:
     Examples:
       >>> import jax.numpy as jnp, lossscale
       >>> params = {"act": None, "dense": {"b": jnp.zeros(2), "w": jnp.ones(3)}}
-      >>> print(lossscale.leaf_path(params, 1))
+      >>> print(lossscale.diagnostics.leaf_path(params, 1))
       ['dense']['w']
-      >>> print(lossscale.leaf_path(params, -1))
+      >>> print(lossscale.diagnostics.leaf_path(params, -1))
       None
     """
     position = _index(index, params)
@@ -76,7 +76,7 @@ def _index(index: Any, params: Any) -> int:
     except (TypeError, ValueError):  # a tree of arrays of several shapes
         value = np.asarray(None)
     swapped = " (The arguments are `leaf_path(params, index)`.)" * (
-        checks.is_number(params) and not checks.is_number(index)
+        validation.is_number(params) and not validation.is_number(index)
     )
     if value.dtype == np.bool_:
         raise TypeError(

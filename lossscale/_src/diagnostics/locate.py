@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import functional
 from lossscale._src.api import lookup
 from lossscale._src.diagnostics import interpret
@@ -24,7 +24,7 @@ _NO_PRODUCER = interpret.Producer(op=None, backward=False, source=None, function
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """Where a step overflowed, from `lossscale.locate_overflow`.
+    """Where a step overflowed, from `lossscale.diagnostics.locate_overflow`.
 
     Attributes:
       kind: "forward" (the loss is not finite: no scale fixes it), "backward"
@@ -48,7 +48,7 @@ class OverflowReport:
 
     Examples:
       >>> import jax.numpy as jnp, lossscale
-      >>> report = lossscale.locate_overflow(
+      >>> report = lossscale.diagnostics.locate_overflow(
       ...     lambda w: jnp.sum(w**2), jnp.ones(2), loss_scale=1024.0)
       >>> print(report)
       No overflow at loss scale 1024: the loss (2) and every gradient are finite.
@@ -181,7 +181,7 @@ def locate_overflow(
       >>> def loss_fn(params, x):
       ...     h = jnp.exp(x.astype(jnp.float16) * params["w"].astype(jnp.float16))
       ...     return jnp.sum(h.astype(jnp.float32))
-      >>> report = lossscale.locate_overflow(
+      >>> report = lossscale.diagnostics.locate_overflow(
       ...     loss_fn, {"w": jnp.ones(2)}, jnp.array([1.0, 20.0]), loss_scale=1024.0)
       >>> print(report.kind, report.op, report.leaves)
       forward exp ("['w']",)
@@ -251,7 +251,7 @@ def _state(loss_scale: Any) -> tuple[Any, float | None]:
     was skipped is evaluated at the scale it records for that step.
     """
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "locate_overflow")
-    if checks.is_number(found):
+    if validation.is_number(found):
         return kinds.StaticLossScale(found), None
     skips, ran_at, now = (
         np.asarray(x)

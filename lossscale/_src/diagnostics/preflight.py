@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import lookup
 from lossscale._src.diagnostics import forward_hazards
 from lossscale._src.diagnostics import gradient_hazards
@@ -72,7 +72,8 @@ def preflight(
       >>> import jax.numpy as jnp, lossscale
       >>> def loss_fn(w, x):  # float16 compute, and the loss too
       ...     return jnp.mean((x.astype(jnp.float16) @ w.astype(jnp.float16)) ** 2)
-      >>> report = lossscale.preflight(loss_fn, jnp.ones((4, 2)), jnp.ones((8, 4)))
+      >>> report = lossscale.diagnostics.preflight(
+      ...     loss_fn, jnp.ones((4, 2)), jnp.ones((8, 4)))
       >>> print(sorted(report.codes), report.scale)
       ['gradient-overflow', 'loss-in-half'] 4096.0
     """
@@ -86,7 +87,7 @@ def preflight(
             loss_scale = step_check.values(lookup.find(optimizer, "optimizer"))
         optimizer = typing.cast(Any, optimizer).tx
     if optimizer is not None:
-        checks.validate_transformation(optimizer, "optimizer")
+        validation.validate_transformation(optimizer, "optimizer")
     start = _start(loss_scale, optimizer, problem)
     probe = Probe(problem)
     first = probe(float(start.scale))
@@ -127,7 +128,7 @@ def _start(loss_scale: Any, optimizer: Any, problem: Program) -> LossScale:
             if lookup.find_all(state):  # several: the error says which
                 return lookup.find(state, "optimizer.init(params)")
         return kinds.DynamicLossScale()
-    if isinstance(loss_scale, LossScale | str) or checks.is_number(loss_scale):
+    if isinstance(loss_scale, LossScale | str) or validation.is_number(loss_scale):
         return kinds.from_spec(loss_scale, "loss_scale")
     return lookup.find(loss_scale, "loss_scale")
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.api import lookup
 from lossscale._src.state.update import was_applied
 from lossscale._src.step import unscaling
@@ -55,13 +55,13 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
     Examples:
       >>> import jax.numpy as jnp, lossscale
       >>> grads = {"w": jnp.array([1e-9, 0.0, 2.0, 3e-6])}
-      >>> stats = lossscale.grad_stats(grads)
+      >>> stats = lossscale.diagnostics.grad_stats(grads)
       >>> print(stats["zero_fraction"], stats["underflow_fraction"])
       0.25 0.25
-      >>> print(lossscale.grad_stats(grads, 1024)["underflow_fraction"])
+      >>> print(lossscale.diagnostics.grad_stats(grads, 1024)["underflow_fraction"])
       0.0
     """
-    checks.refuse_sparse(grads, "grads")
+    validation.refuse_sparse(grads, "grads")
     scale = _scale_to_evaluate_at(loss_scale)
     paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
     per_leaf = {}
@@ -130,7 +130,7 @@ def _scale_to_evaluate_at(loss_scale: Any) -> jax.Array:
     if loss_scale is None:
         return jnp.ones([], jnp.float32)
     found = lookup.scale_to_evaluate_at(loss_scale, "loss_scale", "grad_stats")
-    if not checks.is_number(found):
+    if not validation.is_number(found):
         return jnp.asarray(found.scale, jnp.float32)
     # A concrete number is checked here; a traced one (or a device array, which
     # would need a sync to read) is taken as given.

@@ -81,7 +81,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
       ...     return optax.apply_updates(params, updates), opt_state
       >>> params = jnp.zeros(3)
       >>> state = (params, tx.init(params))
-      >>> report = lossscale.preflight_step(step, state, jnp.ones(3))
+      >>> report = lossscale.diagnostics.preflight_step(step, state, jnp.ones(3))
       >>> print(sorted(report.codes), report.findings[0].where)
       ['scale-dependent-step'] [0]
     """
@@ -99,8 +99,8 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
         raise ValueError(
             f"The step skipped its update at every pair of scales tried, from"
             f" {power(float(current.scale))} down to {power(high * 2**4)}: its"
-            " gradients are not finite at any of them. Run `lossscale.preflight` on"
-            " its loss to see why."
+            " gradients are not finite at any of them. Run"
+            " `lossscale.diagnostics.preflight` on its loss to see why."
         )
     before = _float_leaves(state)
     (a, _), (b, _) = results

@@ -164,7 +164,7 @@ class LossScale:
         """Returns the kind name and settings as a JSON-serialisable dict.
 
         The arrays are not part of it: save them with the checkpoint, and this
-        dict beside it (see `lossscale.check_config`).
+        dict beside it (see `lossscale.checkpoints.check_config`).
 
         Examples:
           >>> import lossscale

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import checks
 from lossscale._src import deprecation
+from lossscale._src import validation
 from lossscale._src.state import kind_fields
 from lossscale._src.state.kind_fields import METADATA_KEY
 
@@ -36,7 +36,7 @@ def positive_float32(name: str, value: Any, owner: str) -> float:
     Not subnormal: XLA:CPU flushes a subnormal float32 to zero in a jitted step, so a
     `min_scale` of 1e-44 would let the scale reach 0.
     """
-    if not checks.is_number(value):
+    if not validation.is_number(value):
         raise TypeError(
             f"`{owner}`: `{name}` must be a real number, got {value!r}"
             f" ({type(value).__name__})."

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._src import checks
 from lossscale._src import deprecation
+from lossscale._src import validation
 from lossscale._src.state import kind_validation
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kind_fields import field
@@ -316,7 +316,7 @@ def from_spec(spec: Any, name: str = "loss_scale") -> LossScale:
             f" the string {spec!r} (the only string allowed is 'dynamic'; a fixed"
             " scale is a number, e.g. `1024.0`, or `lossscale.StaticLossScale(s)`)."
         )
-    if checks.is_number(spec):
+    if validation.is_number(spec):
         return StaticLossScale(spec)
     if isinstance(spec, type) and issubclass(spec, LossScale):
         raise TypeError(

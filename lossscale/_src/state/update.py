@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kind import LossScaleT
 from lossscale._src.state.kind import rule_fields
@@ -64,10 +64,12 @@ def update(
             " opt_state, params)` of `lossscale.wrap(tx)`, or"
             " `lossscale.apply_gradients(tx, grads=..., params=..., ...)`."
         )
-    grads_finite = checks.as_predicate(
+    grads_finite = validation.as_predicate(
         "grads_finite", grads_finite, "lossscale.all_finite(grads)"
     )
-    loss_finite = checks.as_predicate("loss_finite", loss_finite, "jnp.isfinite(loss)")
+    loss_finite = validation.as_predicate(
+        "loss_finite", loss_finite, "jnp.isfinite(loss)"
+    )
     # Of `loss_scale`'s kind: `next_state` refuses a rule that returns another.
     return cast(LossScaleT, next_state(loss_scale, grads_finite, loss_finite))
 

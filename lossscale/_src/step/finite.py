@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import forms
 from lossscale._src.step import unscaling
@@ -42,7 +42,7 @@ def check(
     state: LossScale,
     *,
     loss: jax.Array | None = None,
-    axis_name: checks.AxisName | None = None,
+    axis_name: validation.AxisName | None = None,
     norm: bool = False,
 ) -> Checked:
     """Whether the unscaled gradients (and `loss`) are finite, and where not.
@@ -73,7 +73,7 @@ def all_finite_leaves(leaves: list[Any]) -> jax.Array:
     return jnp.isfinite(_reduce(leaves, square=False)[0])
 
 
-def agree(flags: jax.Array, axis_name: checks.AxisName | None) -> jax.Array:
+def agree(flags: jax.Array, axis_name: validation.AxisName | None) -> jax.Array:
     """Boolean flags, True only where they hold on every device of `axis_name`."""
     if axis_name is None:
         return flags

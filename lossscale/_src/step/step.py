@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._src import checks
+from lossscale._src import validation
 from lossscale._src.state import update
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import finite
@@ -29,14 +29,15 @@ from lossscale._src.step import unscaling
 class StepOptions(NamedTuple):
     """The settings of a guarded step, validated once where the step is built."""
 
-    axis_name: checks.AxisName | None
+    axis_name: validation.AxisName | None
     clip_norm: float | None
 
 
 def step_options(axis_name: Any, clip_norm: Any) -> StepOptions:
     """Validates `axis_name` and `clip_norm`; raises naming the bad one."""
     return StepOptions(
-        checks.validate_axis_name(axis_name), checks.validate_clip_norm(clip_norm)
+        validation.validate_axis_name(axis_name),
+        validation.validate_clip_norm(clip_norm),
     )
 
 
@@ -110,11 +111,15 @@ def guarded_step(
     """
     loss_scale, options = inputs.loss_scale, inputs.options
     split = fp8.split(inputs.grads, inputs.params)
-    checks.validate_gradients(split.grads, split.params)
-    checks.refuse_unbound_axis(
+    validation.validate_gradients(split.grads, split.params)
+    validation.refuse_unbound_axis(
         options.axis_name, "the step (`wrap`'s `update`, `apply_gradients`, ...)"
     )
-    loss = None if inputs.value is None else checks.validate_loss(inputs.value, "value")
+    loss = (
+        None
+        if inputs.value is None
+        else validation.validate_loss(inputs.value, "value")
+    )
 
     def applied_step(grads, params, kept, norm, applied):
         # What an applied step does, traced once below. With `apply_updates` it
@@ -127,9 +132,9 @@ def guarded_step(
             grads = unscaling.clip_to_norm(grads, norm, options.clip_norm)
         new = optimizer(OptimizerInput(grads, params, carry, split.new, old))
         if apply_updates:  # the fp8 values are kept by a skipped step too
-            # -0.0 that XLA cannot see in the cond's branch (`_rounded`); the select
+            # -0.0 that XLA cannot see in the cond's branch (`_unfused`); the select
             # forms give a constant `True`, and XLA folds the add away.
-            updates = _rounded(new.updates, jnp.where(applied, -0.0, 0.0))
+            updates = _unfused(new.updates, jnp.where(applied, -0.0, 0.0))
             added = optax.apply_updates(params, updates)
             return (updates, added), (new.carry, new.fp8)
         # The fp8 values as what `optax.apply_updates` adds to the old ones.
@@ -154,7 +159,7 @@ def guarded_step(
     # kind of each of its outputs is read while it is (`_kinds`).
     jitted = jax.jit(applied_step)
     shapes, kinds = _kinds(jitted, *operands)
-    checks.refuse_changed_types(shapes[1], kept)
+    validation.refuse_changed_types(shapes[1], kept)
 
     def skipped(params, kept):
         """What a skipped step gives, in the applied step's tree."""
@@ -202,8 +207,8 @@ def guarded_step(
     return StepResult(fp8.merge(tree, collection), carry, loss_scale, applied)
 
 
-def _rounded(tree: Any, zero: jax.Array) -> Any:
-    """`tree`'s values, each rounded on its own wherever it is added to another.
+def _unfused(tree: Any, zero: jax.Array) -> Any:
+    """`tree`'s values, kept out of an FMA with whatever they are added to next.
 
     XLA:CPU fuses an add into the multiply before it as one rounding (an FMA),
     so `p + u` gives other bits where `u` is computed in the add's kernel than

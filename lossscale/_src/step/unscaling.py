@@ -107,7 +107,7 @@ def _unscaled(grad: jax.Array, inverse: jax.Array) -> jax.Array:
     wide = wide_dtype(grad.dtype)
     if inverse.dtype != wide:
         inverse = lax.convert_element_type(inverse, wide)
-    # The scalar first, as in `step._rounded`: one XLA:CPU kernel per leaf shape.
+    # The scalar first, as in `step._unfused`: one XLA:CPU kernel per leaf shape.
     return lax.mul(inverse, lax.convert_element_type(grad, wide))
 
 
