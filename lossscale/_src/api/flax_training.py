@@ -23,7 +23,7 @@ from lossscale._src.api import apply
 from lossscale._src.api import flax_serialization  # noqa: F401 - registers the kinds
 from lossscale._src.api import lookup
 from lossscale._src.api import wrapper
-from lossscale._src.state import kinds
+from lossscale._src.state import spec
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.update import was_applied
 from lossscale._src.step import fp8
@@ -82,7 +82,7 @@ class TrainState(train_state.TrainState):
         apply_fn: Callable[..., Any],
         params: Any,
         tx: optax.GradientTransformation,
-        loss_scale: kinds.StateOrSpec = "dynamic",
+        loss_scale: spec.StateOrSpec = "dynamic",
         axis_name: validation.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs: Any,
@@ -116,7 +116,7 @@ class TrainState(train_state.TrainState):
         """
         validation.validate_transformation(tx, "tx")
         options = step.step_options(axis_name, clip_norm)
-        template = kinds.from_spec(loss_scale)
+        template = spec.from_spec(loss_scale)
         _validate_field_names(cls, kwargs, "create", ("step", "opt_state"))
         lookup.refuse_in_params(params, "`TrainState.create`")
         # Flax's fp8 metadata are no optimizer's business (design.md).
@@ -161,7 +161,7 @@ class TrainState(train_state.TrainState):
             `kwargs` field's new value has another tree than its old one, or
             Flax fp8 variables meet an `optax.MultiSteps` state.
         """
-        kinds.validate_state(self.loss_scale, "loss_scale")
+        spec.validate_state(self.loss_scale, "loss_scale")
         computed = ("step", "params", "opt_state", "loss_scale")
         _validate_field_names(type(self), kwargs, "apply_gradients", computed)
         fp8.refuse_accumulation(self.params, self.opt_state, "`TrainState`")
@@ -261,7 +261,7 @@ class Optimizer(nnx.Optimizer):
         tx: optax.GradientTransformation,
         *,
         wrt: Any,
-        loss_scale: kinds.StateOrSpec = "dynamic",
+        loss_scale: spec.StateOrSpec = "dynamic",
         axis_name: validation.AxisName | None = None,
         clip_norm: float | None = None,
         **kwargs: Any,

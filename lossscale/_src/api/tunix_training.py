@@ -15,15 +15,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from lossscale._src import validation
 from lossscale._src.api import functional
-from lossscale._src.api import lookup
+from lossscale._src.api import tunix_metrics
 from lossscale._src.api import wrapper
-from lossscale._src.state import kinds
+from lossscale._src.state import spec
 from lossscale._src.state.kind import LossScale
 
 # The google-tunix releases this module is tested with (tests/test_tunix.py).
@@ -31,8 +30,6 @@ TESTED_TUNIX = ("0.1.7",)
 # The keyword the installed step passes to the optimizer's `update`: without it,
 # tunix's own step (the plain loss) is running.
 _FROM_THE_STEP = "lossscale_tunix_step"
-# What the installed step logs through tunix's metrics logger, per train step.
-METRICS = ("loss_scale", "skipped_steps")
 
 
 class Transformation(optax.GradientTransformationExtraArgs):
@@ -49,7 +46,7 @@ class Transformation(optax.GradientTransformationExtraArgs):
 
 def wrap(
     inner: optax.GradientTransformation,
-    loss_scale: kinds.StateOrSpec = "dynamic",
+    loss_scale: spec.StateOrSpec = "dynamic",
     *,
     clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -82,7 +79,7 @@ def wrap(
     """
     plain = wrapper.wrap(inner, loss_scale, clip_norm=clip_norm)
     ready, accumulates = wrapper.prepared(inner)
-    template = kinds.from_spec(loss_scale)
+    template = spec.from_spec(loss_scale)
 
     def init_fn(params: Any) -> wrapper.WrapState:
         # Not `plain.init`: tunix puts an `optax.MultiSteps` around it, which
@@ -155,7 +152,7 @@ def scale_trainer(trainer: Any) -> Any:
         )
     _warn_of_a_float16_mask(trainer.model)
     trainer.create_train_step_fn = lambda: _step_of(trainer)
-    _log_metrics_of(trainer)
+    tunix_metrics.log_metrics_of(trainer)
     trainer.clear_jit_cache()
     return trainer
 
@@ -184,9 +181,9 @@ def _step_of(trainer: Any) -> Any:
     """The loss-scaled train step, in `PeftTrainer._train_step`'s signature."""
 
     def train_step(model: nnx.Module, optimizer: nnx.Optimizer, inputs: Any) -> Any:
-        _log_metrics_of(trainer)  # at trace time: hooks set since are kept
+        tunix_metrics.log_metrics_of(trainer)  # at trace time: hooks set since are kept
         inputs = trainer.gen_model_input_fn(inputs)
-        state = _state_of(optimizer)
+        state = tunix_metrics.state_of(optimizer)
         has_aux = trainer._has_aux  # no public reader: pinned by TESTED_TUNIX
 
         def scaled(model, inputs):
@@ -206,16 +203,6 @@ def _step_of(trainer: Any) -> Any:
         return loss, aux, grad_norm
 
     return train_step
-
-
-def _state_of(optimizer: Any) -> LossScale:
-    """The loss-scale state in an `nnx.Optimizer`, as arrays (traced in the step)."""
-    state = lookup.find(optimizer, "optimizer")
-    return jax.tree.map(
-        lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
-        state,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
 
 
 class _Accumulating(optax.GradientTransformationExtraArgs):
@@ -249,62 +236,6 @@ def _accumulating_inside(ours: Transformation, k: Any) -> _Accumulating:
         return updates, new.inner_state._replace(inner_opt_state=back)
 
     return _Accumulating(optax.MultiSteps(ours, k).init, update_fn)
-
-
-def _log_metrics_of(trainer: Any) -> None:
-    """Sets training hooks that log `METRICS`, around the trainer's own hooks."""
-    if not isinstance(trainer.training_hooks, _MetricsHooks):
-        trainer.training_hooks = _MetricsHooks(trainer.training_hooks)
-
-
-class _MetricsHooks:
-    """tunix training hooks: the loss-scale metrics, then the given hooks' call.
-
-    tunix writes a step's metrics while the next step runs (`on_train_step_end`
-    comes one step late, or at `close` for the last): the state after the step
-    it names is copied on the device where the step after it starts, and logged
-    then, so the host waits on no step tunix itself does not wait on.
-    """
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.after: dict[int, dict[str, Any]] = {}  # train steps done -> figures
-
-    def __getattr__(self, name: str) -> Any:  # every other hook: the given one's
-        return getattr(self.inner, name) if self.inner else lambda *a, **k: None
-
-    def on_train_step_start(self, train_ctx: Any):
-        # The first micro-batch's start after `train_steps` steps: their state.
-        self.after.setdefault(train_ctx.train_steps, _figures(train_ctx))
-        if self.inner is not None:
-            self.inner.on_train_step_start(train_ctx)
-
-    def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: Any):
-        figures = self.after.pop(train_step, None) or _figures(train_ctx)
-        for step in [s for s in self.after if s < train_step]:
-            del self.after[step]
-        for name in METRICS:
-            train_ctx.metrics_logger.log(
-                train_ctx.metrics_prefix,
-                name,
-                np.asarray(figures[name]),
-                "train",
-                train_step,
-            )
-        if self.inner is not None:
-            self.inner.on_train_step_end(train_ctx, train_step, train_loss)
-
-
-def _figures(train_ctx: Any) -> dict[str, Any]:
-    """The loss-scale metrics of the trainer's optimizer now, as device arrays.
-
-    Copies, on the device: the next step donates the state's own buffers.
-    """
-    state = _state_of(train_ctx.optimizer)
-    return {
-        "loss_scale": jnp.copy(state.scale),
-        "skipped_steps": jnp.copy(state.skipped_steps),
-    }
 
 
 def _warn_of_a_float16_mask(model: Any) -> None:

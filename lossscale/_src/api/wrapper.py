@@ -13,7 +13,7 @@ import optax
 
 from lossscale._src import validation
 from lossscale._src.api import lookup
-from lossscale._src.state import kinds
+from lossscale._src.state import spec
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import fp8
 from lossscale._src.step import step
@@ -48,7 +48,7 @@ class WrapState(NamedTuple):
 
 def wrap(
     inner: optax.GradientTransformation,
-    loss_scale: kinds.StateOrSpec = "dynamic",
+    loss_scale: spec.StateOrSpec = "dynamic",
     *,
     axis_name: validation.AxisName | None = None,
     clip_norm: float | None = None,
@@ -111,7 +111,7 @@ def wrap(
       0.5
     """
     inner, accumulates = prepared(inner)
-    template = kinds.from_spec(loss_scale)
+    template = spec.from_spec(loss_scale)
     options = step.step_options(axis_name, clip_norm)
 
     def init_fn(params):
@@ -135,7 +135,7 @@ def wrap(
                 "`state` must be the `WrapState` returned by this transformation's"
                 f" `init`, got {type(state).__name__}."
             )
-        kinds.validate_state(state.loss_scale, "state.loss_scale")
+        spec.validate_state(state.loss_scale, "state.loss_scale")
         lookup.refuse_in_params(params, "`update`")
 
         def inner_update(given: step.OptimizerInput) -> step.OptimizerOutput:

@@ -25,8 +25,8 @@ from lossscale._src.state import kind_validation
 from lossscale._src.state.kind import ADDED_AFTER_0_3_0
 from lossscale._src.state.kind import COUNTERS
 from lossscale._src.state.kind import LossScale
-from lossscale._src.state.kind import known_kinds
-from lossscale._src.state.kind import registered
+from lossscale._src.state.registry import known_kinds
+from lossscale._src.state.registry import registered
 
 
 def check_config(saved: dict[str, Any], loss_scale: Any) -> None:

@@ -12,7 +12,7 @@ import optax
 from lossscale._src import validation
 from lossscale._src.deprecation import MIGRATION
 from lossscale._src.deprecation import warn
-from lossscale._src.state import kinds
+from lossscale._src.state import spec
 
 
 def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
@@ -37,7 +37,7 @@ def module_attribute(name: str) -> Any:
             "`lossscale.LossScaleLike` is gone: annotate with `lossscale.LossScale"
             " | float | str | None`"
         )
-        return kinds.StateOrSpec
+        return spec.StateOrSpec
     if name == "setting":
         raise AttributeError(
             "`lossscale.setting()` is gone: declare a setting in a kind's class body"

@@ -22,8 +22,8 @@ import optax
 from lossscale._src.diagnostics import interpret
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import listed
+from lossscale._src.diagnostics.holders import with_loss_scale
 from lossscale._src.diagnostics.program import Program
-from lossscale._src.diagnostics.step_check import with_loss_scale
 from lossscale._src.state.kinds import NoOpLossScale
 
 # An update this much larger than float32's is "huge" (a subnormal denominator).

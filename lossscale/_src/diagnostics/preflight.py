@@ -20,13 +20,14 @@ from lossscale._src import validation
 from lossscale._src.api import lookup
 from lossscale._src.diagnostics import forward_hazards
 from lossscale._src.diagnostics import gradient_hazards
+from lossscale._src.diagnostics import holders
 from lossscale._src.diagnostics import optimizer_hazards
-from lossscale._src.diagnostics import step_check
 from lossscale._src.diagnostics.findings import PreflightReport
 from lossscale._src.diagnostics.findings import ordered
 from lossscale._src.diagnostics.probe import Probe
 from lossscale._src.diagnostics.program import Program
 from lossscale._src.state import kinds
+from lossscale._src.state import spec
 from lossscale._src.state.kind import LossScale
 
 
@@ -84,7 +85,7 @@ def preflight(
     if _holds_a_transformation(optimizer):
         # An NNX optimizer or a train state: its `tx`, from its own loss scale.
         if loss_scale is None and lookup.find_all(optimizer):
-            loss_scale = step_check.values(lookup.find(optimizer, "optimizer"))
+            loss_scale = holders.values(lookup.find(optimizer, "optimizer"))
         optimizer = typing.cast(Any, optimizer).tx
     if optimizer is not None:
         validation.validate_transformation(optimizer, "optimizer")
@@ -129,7 +130,7 @@ def _start(loss_scale: Any, optimizer: Any, problem: Program) -> LossScale:
                 return lookup.find(state, "optimizer.init(params)")
         return kinds.DynamicLossScale()
     if isinstance(loss_scale, LossScale | str) or validation.is_number(loss_scale):
-        return kinds.from_spec(loss_scale, "loss_scale")
+        return spec.from_spec(loss_scale, "loss_scale")
     return lookup.find(loss_scale, "loss_scale")
 
 

@@ -18,7 +18,6 @@ the state it returns differs from the one it was given.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale._src.api import lookup
+from lossscale._src.diagnostics import holders
 from lossscale._src.diagnostics import step_findings
 from lossscale._src.diagnostics.findings import PreflightReport
 from lossscale._src.diagnostics.findings import power
@@ -87,7 +87,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     """
     if not callable(step):
         raise TypeError(f"`step` must be callable, got {type(step).__name__}.")
-    current = values(lookup.find(state, "state"))
+    current = holders.values(lookup.find(state, "state"))
     high = _settable(current)
     for _ in range(_TRIES):
         low = high / 2
@@ -167,7 +167,7 @@ def _run(step, state, args, loss_scale, new_state=False):
 
     With `new_state`, also the loss-scale state the step returned.
     """
-    given = with_loss_scale(state, loss_scale)
+    given = holders.with_loss_scale(state, loss_scale)
     # Copies of every array: the step may donate its arguments, and these are
     # the caller's (the loss-scale state's counters too).
     given, copies = jax.tree.map(
@@ -187,7 +187,7 @@ def _run(step, state, args, loss_scale, new_state=False):
             " loss-scale state updated), or a tuple whose first element is; it"
             f" returned a {type(out).__name__} with other floating-point leaves."
         )
-    returned = values(lookup.find(out, "step(state, ...)"))
+    returned = holders.values(lookup.find(out, "step(state, ...)"))
     skipped = int(returned.skipped_steps) > before
     if new_state:
         return _float_leaves(out), skipped, returned
@@ -202,7 +202,7 @@ def _refuse_donated(caller: Any) -> None:
     the state it is given, so neither the scales tried reach it nor can the
     caller's objects be read after it.
     """
-    variable = _variable_type()
+    variable = holders.variable_type()
     leaves, _ = jax.tree_util.tree_flatten_with_path(
         caller, is_leaf=lambda x: variable is not None and isinstance(x, variable)
     )
@@ -245,59 +245,3 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> float | None:
     if np.linalg.norm(a - ratio * b) > TOLERANCE * np.linalg.norm(a):
         return None
     return float(ratio)
-
-
-def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
-    """`tree` with `loss_scale` in place of each loss-scale state it holds.
-
-    In Flax NNX objects (a `lossscale.flax.Optimizer`) the state's fields are
-    `nnx.Variable`s, which the optimizer's update writes in place: they are kept,
-    holding the new values, so the state must keep its kind and settings.
-    """
-
-    def put(old: Any) -> Any:
-        if not isinstance(old, LossScale):
-            return old
-        variable = _variable_type()
-        if variable is None or not any(
-            isinstance(x, variable)
-            for x in jax.tree.leaves(old, is_leaf=lambda x: isinstance(x, variable))
-        ):
-            return loss_scale
-        is_variable = lambda x: isinstance(x, variable)  # noqa: E731
-        if jax.tree.structure(old, is_leaf=is_variable) != jax.tree.structure(
-            loss_scale
-        ):
-            raise ValueError(
-                f"`state` holds a Flax NNX optimizer whose loss scale is a"
-                f" `{type(old).__name__}` with {old.get_config()}: its step runs"
-                " at other scales by setting its `scale` in place, which needs a"
-                " `DynamicLossScale`. Build the optimizer with"
-                " `lossscale.flax.Optimizer(..., loss_scale='dynamic')` for this"
-                " check."
-            )
-        return jax.tree.map(
-            lambda var, new: var.replace(new),
-            old,
-            loss_scale,
-            is_leaf=is_variable,
-        )
-
-    return jax.tree.map(put, tree, is_leaf=lambda x: isinstance(x, LossScale))
-
-
-def _variable_type() -> Any:
-    """`flax.nnx.Variable` if Flax NNX is imported (a state can hold one), else None."""
-    return getattr(sys.modules.get("flax.nnx"), "Variable", None)
-
-
-def values(state: LossScale) -> LossScale:
-    """`state` with plain arrays as leaves (NNX's hold `nnx.Variable`s)."""
-    variable = _variable_type()
-    if variable is None:
-        return state
-    return jax.tree.map(
-        lambda x: lookup.variable_value(x) if isinstance(x, variable) else x,
-        state,
-        is_leaf=lambda x: isinstance(x, variable),
-    )

@@ -1,4 +1,4 @@
-"""`LossScale`, the base class of every kind, and the registry of kind names."""
+"""`LossScale`, the base class of every kind, and the hooks run for every kind."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import numpy as np
 from lossscale._src import deprecation
 from lossscale._src.state import kind_fields
 from lossscale._src.state import kind_validation
+from lossscale._src.state import registry
 from lossscale._src.state.kind_fields import field
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class LossScale:
         kind_validation.declare(cls, COUNTERS, LossScale.rule)
         kind_fields.lay_out(cls, COUNTERS)
         cls.__init__ = kind_validation.validating(cls.__init__)  # type: ignore[method-assign]
-        cls.kind = _register(cls, kind)
+        cls.kind = registry.register(cls, kind)
         for hook in _HOOKS:
             hook(cls)
 
@@ -192,15 +193,16 @@ class LossScale:
           >>> print(type(state).__name__, state.scale)
           StaticLossScale 8.0
         """
-        config = kind_validation.validated_config(config, known_kinds())
+        config = kind_validation.validated_config(config, registry.known_kinds())
         config = deprecation.upgraded_config(config, quietly=False)
         name = config["kind"]
-        if name not in _KINDS:
+        if name not in registry.KINDS:
             raise ValueError(
-                f"`config['kind']` must be one of {known_kinds()}, got {name!r}. (A"
+                f"`config['kind']` must be one of {registry.known_kinds()}, got"
+                f" {name!r}. (A"
                 " kind defined in your code is known once its module is imported.)"
             )
-        target = _KINDS[name]
+        target = registry.KINDS[name]
         if target is None:
             raise ValueError(
                 f"The kind {name!r} was defined inside a function, where every call"
@@ -274,11 +276,6 @@ def _format_leaf(value: Any) -> str:
         return repr(value)
 
 
-# -- the registry: kind name -> kind -------------------------------------------------
-
-# A kind defined in a function without `kind=` maps to None: every call makes
-# another class of the same name, so the name does not say which to build.
-_KINDS: dict[str, type[LossScale] | None] = {}
 # What to call for every kind (`lossscale.flax` registers each with
 # `flax.serialization`, without this module importing Flax).
 _HOOKS: list[Any] = []
@@ -293,31 +290,3 @@ def for_every_kind(hook) -> None:
         if "kind" in vars(kind):  # registered: defined to the end
             hook(kind)
         pending += kind.__subclasses__()
-
-
-def _register(cls: type[LossScale], kind: str | None) -> str:
-    where = (cls.__module__, cls.__qualname__)
-    name = ".".join(where) if kind is None else kind
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"`kind` must be a non-empty string, got {name!r}.")
-    local = kind is None and "<locals>" in name
-    known = None if local else _KINDS.get(name)
-    if known is not None and (known.__module__, known.__qualname__) != where:
-        raise ValueError(
-            f"The kind name {name!r} is taken by `{known.__module__}."
-            f"{known.__qualname__}`; pass another one: `class {cls.__name__}("
-            "lossscale.LossScale, kind=...)`."
-        )
-    # The same class defined again (a re-run notebook cell) replaces the old one.
-    _KINDS[name] = None if local else cls
-    return name
-
-
-def known_kinds() -> list[str]:
-    """The kind names `from_config` can build."""
-    return sorted(name for name, kind in _KINDS.items() if kind is not None)
-
-
-def registered(name: Any) -> type[LossScale] | None:
-    """The kind registered under the kind name `name`, or None."""
-    return _KINDS.get(name) if isinstance(name, str) else None

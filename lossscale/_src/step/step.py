@@ -23,6 +23,7 @@ from lossscale._src.state import update
 from lossscale._src.state.kind import LossScale
 from lossscale._src.step import finite
 from lossscale._src.step import fp8
+from lossscale._src.step import sides
 from lossscale._src.step import unscaling
 
 
@@ -156,9 +157,9 @@ def guarded_step(
     kept = (carry, split.old) if apply_updates else carry
     operands = (split.grads, split.params, kept, norm, applied)
     # Jitted once: every form calls it, and jit traces optax's Python once; the
-    # kind of each of its outputs is read while it is (`_kinds`).
+    # kind of each of its outputs is read while it is (`sides.kinds`).
     jitted = jax.jit(applied_step)
-    shapes, kinds = _kinds(jitted, *operands)
+    shapes, kinds = sides.kinds(jitted, *operands)
     validation.refuse_changed_types(shapes[1], kept)
 
     def skipped(params, kept):
@@ -172,13 +173,13 @@ def guarded_step(
         # nothing of it; with `apply_updates`, the parameters are added there.
         operands = (grads, params, kept, norm, applied)
         # The two sides of the skip made one type (a select does it itself).
-        joined = _join(kinds, jax.tree.map(_kind, skipped(params, kept)))
+        joined = sides.join(kinds, jax.tree.map(sides.kind, skipped(params, kept)))
 
         def on_applied(operands):
-            return _cast(jitted(*operands), joined)
+            return sides.cast(jitted(*operands), joined)
 
         def on_skipped(operands):
-            return _cast(skipped(operands[1], operands[2]), joined)
+            return sides.cast(skipped(operands[1], operands[2]), joined)
 
         given = jax.lax.cond(applied, on_applied, on_skipped, operands)
         return (given[0][1], given[1]) if apply_updates else given  # added, kept
@@ -245,75 +246,3 @@ def _negative_zeros(shapes: Any) -> Any:
         return jax.lax.full(s.shape, complex(-0.0, -0.0) if complex_ else -0.0, s.dtype)
 
     return jax.tree.map(zeros, shapes)
-
-
-class _Kind(NamedTuple):
-    """What a value's type says beyond its shape and dtype, for a skip's two sides."""
-
-    weak: bool  # a weak type (a Python scalar's)
-    varying: frozenset  # the `shard_map` axes it varies over
-
-
-def _kinds(fn: Callable, *args: Any) -> tuple[Any, Any]:
-    """`fn(*args)`'s outputs' shapes, and their `_Kind`s: read while tracing, not run.
-
-    `jax.eval_shape`'s own results do not say which `shard_map` axes a value
-    varies over: its tracers do.
-    """
-    kinds = []
-
-    def read(*args):
-        out = fn(*args)
-        kinds.append(jax.tree.map(_kind, out))
-        return out
-
-    return jax.eval_shape(read, *args), kinds[0]
-
-
-def _kind(x: Any) -> _Kind:
-    return _Kind(jax.typeof(x).weak_type, _varying(x))
-
-
-def _join(a: Any, b: Any) -> Any:
-    """The kind of a select of two values: weak if both are, varying where either."""
-
-    def join(x: _Kind, y: _Kind) -> _Kind:
-        return _Kind(x.weak and y.weak, x.varying | y.varying)
-
-    return jax.tree.map(join, a, b, is_leaf=lambda x: isinstance(x, _Kind))
-
-
-def _cast(tree: Any, kinds: Any) -> Any:
-    """`tree`'s values made of the given kinds (never less weak or varying)."""
-
-    def cast(x, kind):
-        if jax.typeof(x).weak_type and not kind.weak:
-            x = jax.lax.convert_element_type(x, jax.typeof(x).dtype)
-        missing = kind.varying - _varying(x)
-        return _pcast(x, tuple(sorted(missing))) if missing else x
-
-    return jax.tree.map(cast, tree, kinds)
-
-
-def _varying(x: Any) -> frozenset:
-    """The `shard_map` axes `x` varies over, found with JAX's public operations.
-
-    Outside `shard_map` there are none. Inside, making `x` vary over an axis it
-    varies over already is refused (a `ValueError`), over another it is not (the
-    result is unused, and dropped).
-    """
-    axes = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-    found = set()
-    for axis in axes:
-        try:
-            _pcast(x, (axis,))
-        except ValueError:
-            found.add(axis)
-    return frozenset(found)
-
-
-def _pcast(x: Any, axes: tuple[str, ...]) -> Any:
-    """`x` made varying over `axes` (`lax.pcast` from jax 0.8.2, `lax.pvary` before)."""
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)  # type: ignore[attr-defined]  # jax < 0.8.2
