@@ -22,9 +22,9 @@ from lossscale._src.api.functional import scale_loss
 from lossscale._src.api.functional import unscale_grads
 from lossscale._src.api.grad import value_and_grad
 from lossscale._src.api.lookup import get_loss_scale
+from lossscale._src.api.metrics import metrics
 from lossscale._src.api.wrapper import WrapState
 from lossscale._src.api.wrapper import wrap
-from lossscale._src.diagnostics.stats import metrics
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kind_fields import field
 from lossscale._src.state.kinds import DynamicLossScale

@@ -9,13 +9,13 @@ operation that made an inf or NaN, and `leaf_path` names the parameter a state's
 Guide: `docs/guides/diagnostics.md`.
 """
 
+from lossscale._src.api.leaf_path import leaf_path
+from lossscale._src.api.metrics import grad_stats
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import PreflightReport
-from lossscale._src.diagnostics.leaf_path import leaf_path
 from lossscale._src.diagnostics.locate import OverflowReport
 from lossscale._src.diagnostics.locate import locate_overflow
 from lossscale._src.diagnostics.preflight import preflight
-from lossscale._src.diagnostics.stats import grad_stats
 from lossscale._src.diagnostics.step_check import preflight_step
 
 __all__ = (

@@ -1,4 +1,4 @@
-"""Diagnostics (`_src/diagnostics/stats.py`): forward vs backward overflows
+"""Diagnostics (`_src/api/metrics.py`): forward vs backward overflows
 (`value=`), the stuck indicator and `metrics`, optax pitfalls, and `grad_stats`
 against numpy.
 """

@@ -479,7 +479,7 @@ def test_frames_anywhere_in_lossscale_are_skipped_when_naming_the_line():
     # Since `_src` has folders, an op in `api/functional.py` (the multiply of
     # `scale_loss`) must still be attributed to the user's line, not lossscale's.
     from lossscale._src.api import functional
-    from lossscale._src.diagnostics import interpret
+    from lossscale._src.diagnostics.engine import interpret
     from lossscale._src.state import kinds
     from lossscale._src.step import finite
 

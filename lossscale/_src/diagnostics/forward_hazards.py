@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 from jax.extend import core
 
-from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics.engine import interpret
+from lossscale._src.diagnostics.engine.probe import Evaluation
+from lossscale._src.diagnostics.engine.probe import Probe
+from lossscale._src.diagnostics.engine.program import Program
+from lossscale._src.diagnostics.engine.program import trace
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import listed
-from lossscale._src.diagnostics.probe import Evaluation
-from lossscale._src.diagnostics.probe import Probe
-from lossscale._src.diagnostics.program import Program
-from lossscale._src.diagnostics.program import trace
 
 F16 = np.dtype(np.float16)
 F16_MAX = float(np.finfo(np.float16).max)

@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics.engine import interpret
+from lossscale._src.diagnostics.engine.probe import F16_OVERFLOW
+from lossscale._src.diagnostics.engine.probe import Evaluation
+from lossscale._src.diagnostics.engine.probe import Probe
+from lossscale._src.diagnostics.engine.program import Program
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import literal
 from lossscale._src.diagnostics.findings import power
-from lossscale._src.diagnostics.probe import F16_OVERFLOW
-from lossscale._src.diagnostics.probe import Evaluation
-from lossscale._src.diagnostics.probe import Probe
-from lossscale._src.diagnostics.program import Program
 from lossscale._src.state.kind import LossScale
 from lossscale._src.state.kinds import NoOpLossScale
 

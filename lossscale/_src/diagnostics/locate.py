@@ -13,8 +13,8 @@ import numpy as np
 from lossscale._src import validation
 from lossscale._src.api import functional
 from lossscale._src.api import lookup
-from lossscale._src.diagnostics import interpret
-from lossscale._src.diagnostics import program
+from lossscale._src.diagnostics.engine import interpret
+from lossscale._src.diagnostics.engine import program
 from lossscale._src.diagnostics.findings import listed
 from lossscale._src.state import kinds
 

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale._src.diagnostics import interpret
+from lossscale._src.diagnostics.engine import interpret
+from lossscale._src.diagnostics.engine.program import Program
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import listed
 from lossscale._src.diagnostics.holders import with_loss_scale
-from lossscale._src.diagnostics.program import Program
 from lossscale._src.state.kinds import NoOpLossScale
 
 # An update this much larger than float32's is "huge" (a subnormal denominator).

@@ -22,10 +22,10 @@ from lossscale._src.diagnostics import forward_hazards
 from lossscale._src.diagnostics import gradient_hazards
 from lossscale._src.diagnostics import holders
 from lossscale._src.diagnostics import optimizer_hazards
+from lossscale._src.diagnostics.engine.probe import Probe
+from lossscale._src.diagnostics.engine.program import Program
 from lossscale._src.diagnostics.findings import PreflightReport
 from lossscale._src.diagnostics.findings import ordered
-from lossscale._src.diagnostics.probe import Probe
-from lossscale._src.diagnostics.program import Program
 from lossscale._src.state import kinds
 from lossscale._src.state import spec
 from lossscale._src.state.kind import LossScale

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
-from lossscale._src.diagnostics import interpret
-from lossscale._src.diagnostics.program import Program
-from lossscale._src.diagnostics.program import trace
+from lossscale._src.diagnostics.engine import interpret
+from lossscale._src.diagnostics.engine.program import Program
+from lossscale._src.diagnostics.engine.program import trace
 from lossscale._src.step import unscaling
 
 F16 = np.dtype(np.float16)
