@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
+from lossscale import _src
+
 # Primitives whose inputs and outputs are their sub-jaxpr's, one to one: the walk
 # goes inside them (the user's own `jax.jit`, `jax.checkpoint`, custom rules).
 # Others (`cond`, `scan`, `while`) run whole and are named as the op.
@@ -278,8 +280,8 @@ def source(
 
 def _library_dirs(libraries: tuple[str, ...]) -> tuple[str, ...]:
     """Where `libraries` (and lossscale/_src) live: their frames are skipped."""
-    # All of lossscale/_src (this module is in a folder of it), not the user's tests.
-    dirs = [os.path.dirname(os.path.dirname(__file__))]
+    # All of lossscale/_src, wherever in it this module is; not the user's tests.
+    dirs = [os.path.dirname(_src.__file__)]
     for name in libraries:
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
