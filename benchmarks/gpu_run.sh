@@ -9,7 +9,7 @@
 #
 # Peers the machine lacks (Keras 3, mpx) come as wheels in .whl/, if present.
 #
-# `rl` runs the RL stage alone (issue 52; benchmarks/rl_long_run.py says what it
+# `rl` runs the RL stage alone (issue 52; examples/rl_float16/rl_long_run.py says what it
 # does): GRPO in bfloat16, float16 + lossscale and float32, within RL_BUDGET seconds
 # of wall time from this script's start (default 270, 180 with QUICK), each run
 # written out to $OUT/rl_long_run_<device>.{json,md,png} as it ends, the log in
@@ -29,7 +29,7 @@ if [ "${1:-}" = rl ]; then
     # A rerun on the same machine finds its compiles here.
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache_rl}
     echo "== rl ($(date +%T)): budget $budget s"
-    timeout -k 5 $((${budget%.*} + 20)) $PY benchmarks/rl_long_run.py \
+    timeout -k 5 $((${budget%.*} + 20)) $PY examples/rl_float16/rl_long_run.py \
         --budget "$budget" --start-time "$start" --out-dir "$OUT" ${QUICK:+--quick} \
         2>&1 | tee "$OUT/rl_long_run.log"
     status=${PIPESTATUS[0]}
@@ -99,7 +99,7 @@ run "${TRAIN_LIMIT:-60}" train_step $PY benchmarks/train_step.py \
 run "${KERNELS_LIMIT:-60}" kernels $PY benchmarks/kernels.py \
     --size "${KERNELS_SIZE:-50M}" --variants "apply_gradients,wrap(tx), dynamic" \
     --out "$OUT/kernels_$device"
-run "${LM_LIMIT:-190}" language_model $PY benchmarks/language_model.py \
+run "${LM_LIMIT:-190}" language_model $PY -m lossscale.demo_language_model \
     --width "${LM_WIDTH:-512}" --layers "${LM_LAYERS:-8}" --heads 8 \
     --context 256 --batch "${LM_BATCH:-128}" --learning-rate 1e-3 \
     --steps "$LM_STEPS" --seeds 0 --eval-batches 16 ${QUICK:+--quick} \

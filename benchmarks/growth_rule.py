@@ -27,12 +27,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import language_model  # noqa: E402
 import numpy as np
 import optax
 
 import lossscale  # noqa: E402
 from lossscale import demo  # noqa: E402
+from lossscale import demo_language_model as language_model  # noqa: E402
 
 F16_MAX = 65504.0
 

@@ -6,7 +6,7 @@
 
 1. Skipped batches: a dynamic scale started at the default (2**15) against one
    started at `report.scale`, on programs whose default start loses batches (the
-   digits MLP and the byte-level language model of `benchmarks/language_model.py`,
+   digits MLP and the byte-level language model of `lossscale/demo_language_model.py`,
    both with a summed rather than averaged loss) and on the demo
    (`lossscale.demo`), whose default loses none. Same seed, batches and steps.
 2. Time: `preflight` on the language model at about 10M parameters (width 512, 3
@@ -18,7 +18,7 @@
 
 Prints each program's report, and writes `benchmarks/results/preflight_scale.md`
 (not with `--only reports`, which prints the reports of the demo and of the
-language model as `benchmarks/language_model.py` trains it, with their optimizers,
+language model as `lossscale/demo_language_model.py` trains it, with their optimizers,
 as `docs/guides/preflight.md` shows them).
 """
 
@@ -31,12 +31,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import language_model  # noqa: E402
 import numpy as np
 import optax
 
 import lossscale
 from lossscale import demo
+from lossscale import demo_language_model as language_model  # noqa: E402
 
 F16, F32 = jnp.float16, jnp.float32
 
@@ -55,7 +55,7 @@ def digits_summed():
 
 
 def language_model_problem(width=64, layers=2, heads=4, batch=64, loss="mean"):
-    """`benchmarks/language_model.py`'s model and batches (float16 compute)."""
+    """`lossscale/demo_language_model.py`'s model and batches (float16 compute)."""
     data, _ = language_model.corpus()
     model = language_model.ByteLM(
         width=width, layers=layers, heads=heads, compute=F16, norms=F32
@@ -220,7 +220,7 @@ def reports():
         optimizer=tx,
         loss_scale=lossscale.DynamicLossScale(),  # as `language_model.train`
     )
-    print(f"== python benchmarks/language_model.py, float16 dynamic\n{report}")
+    print(f"== python -m lossscale.demo_language_model, float16 dynamic\n{report}")
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """The language-model benchmark, short: same batches, three runs, gradient fidelity.
 
-The full run (`python benchmarks/language_model.py`) takes about ten minutes; this
+The full run (`python -m lossscale.demo_language_model`) takes about ten minutes; this
 runs 20 steps of one seed, on batches of 32 sequences (the default is 64: half the
 compute per step, the same model, code path and comparisons), and checks what the
 stored results rest on: the float16 run with loss scaling follows the float32 run,
@@ -10,14 +10,11 @@ gradient relative error 0.08% scaled against 1.93% unscaled.
 """
 
 import json
-import pathlib
-import sys
 
 import pytest
 
 pytest.importorskip("flax")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import language_model  # noqa: E402
+from lossscale import demo_language_model as language_model  # noqa: E402
 
 
 @pytest.mark.slow

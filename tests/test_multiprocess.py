@@ -1,10 +1,10 @@
 """Several real processes with JAX's distributed runtime (gloo CPU collectives).
 
-Each test starts `examples/multiprocess_train.py` as 2 or 4 processes on
-127.0.0.1 (a free port each time), each with several CPU devices, and reads what
-they print after every step: the loss scale, the skipped steps and a digest of the
-whole train state. Every child is killed and reaped when the test ends, passing or
-not, and every run has a time limit.
+Each test starts `examples/multiprocess_train/multiprocess_train.py` as 2 or 4
+processes on 127.0.0.1 (a free port each time), each with several CPU devices, and
+reads what they print after every step: the loss scale, the skipped steps and a
+digest of the whole train state. Every child is killed and reaped when the test
+ends, passing or not, and every run has a time limit.
 """
 
 import os
@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples/multiprocess_train.py"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "multiprocess_train" / "multiprocess_train.py"
 DEVICES_PER_PROCESS = {2: 4, 4: 2}
 LINE = re.compile(
     r"process (\d+) step (\d+) scale (\S+) skipped (\d+) digest (\w+) (\S+)"
@@ -220,5 +221,8 @@ def test_the_readme_command_runs_locally():
     assert skipped == {(p, s): int(s >= 2) for p in (0, 1) for s in (1, 2, 3)}
     # Only the example's own lines: Gloo's connection lines are filtered out.
     assert all(m for m in rows), out.stdout[-2000:]
-    readme = (EXAMPLE.parents[1] / "README.md").read_text()
-    assert "python examples/multiprocess_train.py --local 2 --overflow-at 2,4" in readme
+    readme = (ROOT / "README.md").read_text()
+    command = (
+        "examples/multiprocess_train/multiprocess_train.py --local 2 --overflow-at"
+    )
+    assert f"python {command} 2,4" in readme

@@ -1,10 +1,10 @@
-"""RL fine-tuning in float16 (`examples/rl_float16.py`): its parts, and a short run.
+"""RL fine-tuning in float16 (`examples/rl_float16/rl_float16.py`): parts, a short run.
 
 The quick tests check the parts against independent references: the KV-cached
 sampler against the trainer's forward in float32, the mismatch's KL against a
 float64 sum, the reward and the advantages. The slow test is a short version of
-`benchmarks/rl_fine_tuning.py`: a brief pretraining, the mismatch at one length,
-and a short float16 run with lossscale that must learn.
+`examples/rl_float16/rl_fine_tuning.py`: a brief pretraining, the mismatch at one
+length, and a short float16 run with lossscale that must learn.
 """
 
 import collections
@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("flax")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples" / "rl_float16"))
 import rl_float16 as rl  # noqa: E402
 
 
@@ -161,7 +161,6 @@ def test_group_advantages_are_normalised_within_each_group():
 
 @pytest.mark.slow
 def test_float16_quarters_the_mismatch_and_learns_with_lossscale():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import rl_fine_tuning
 
     # Over five seeds (`benchmarks/results/rl_fine_tuning_short.md`, the command in

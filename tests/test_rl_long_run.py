@@ -1,4 +1,4 @@
-"""The GPU RL benchmark's verdicts (`benchmarks/rl_long_run.py`), on made-up runs.
+"""The GPU RL run's verdicts (`examples/rl_float16/rl_long_run.py`), on made-up runs.
 
 The benchmark runs once, on a GPU, where its `.md` says whether each precision ends
 within float32's reward and where it departs from it: those sentences must say what
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("flax")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "rl_float16"))
 import rl_long_run  # noqa: E402
 
 

@@ -5,14 +5,14 @@ parameters and float16 compute. Every process runs this same program; `jit` (or
 `shard_map`) splits the work. Try it on one machine with two processes of four CPU
 devices each:
 
-    python examples/multiprocess_train.py --local 2
+    python examples/multiprocess_train/multiprocess_train.py --local 2
 
 On a cluster, start one process per host with the coordinator's address, the number
 of processes and each one's index (or nothing at all under SLURM, where
 `jax.distributed.initialize()` reads them from the environment):
 
-    COORDINATOR_ADDRESS=host0:1234 NUM_PROCESSES=4 PROCESS_ID=$RANK \
-        python examples/multiprocess_train.py --checkpoint-dir /shared/run1
+    COORDINATOR_ADDRESS=host0:1234 NUM_PROCESSES=4 PROCESS_ID=$RANK python \
+        examples/multiprocess_train/multiprocess_train.py --checkpoint-dir /shared/run1
 
 Each process prints, after every step, the step, the loss scale, the skipped steps
 and a digest of the whole train state (parameters, optimizer state, loss-scale

@@ -2,10 +2,11 @@
 
     OUT=/tmp/rl RL_BUDGET=270 bash benchmarks/gpu_run.sh rl   # the GPU run
     QUICK=1 OUT=/tmp/rl bash benchmarks/gpu_run.sh rl         # a CPU smoke run, 3 min
-    python benchmarks/rl_long_run.py --budget 270 --out-dir benchmarks/results/gpu
+    python examples/rl_float16/rl_long_run.py --budget 270 \
+        --out-dir benchmarks/results/gpu
 
-`examples/rl_float16.py`'s step (its KV-cached sampler and its trainer, both in the
-run's dtype; float32 master weights; the clipped GRPO objective;
+`examples/rl_float16/rl_float16.py`'s step (its KV-cached sampler and its trainer,
+both in the run's dtype; float32 master weights; the clipped GRPO objective;
 `lossscale.apply_gradients`) on a larger model, pretrained here in float32 on
 `pydoc_data.topics`, for as many steps as a wall-clock budget allows, on the task
 `--task` (default `lipogram-words`: each distinct documentation word without an e
@@ -104,11 +105,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
-)
 import rl_fine_tuning  # noqa: E402
 import rl_float16 as rl  # noqa: E402
 
@@ -147,13 +143,16 @@ class Clock:
         self.deadline = start + budget - reserve
 
     def elapsed(self) -> float:
+        """Seconds since the start."""
         return time.time() - self.start
 
     def left(self) -> float:
+        """Seconds to the deadline (negative past it)."""
         return self.deadline - time.time()
 
 
 def say(clock: Clock, message: str) -> None:
+    """Prints `message` to stderr with the seconds since the start."""
     print(f"[{clock.elapsed():5.0f} s] {message}", file=sys.stderr, flush=True)
 
 
@@ -183,7 +182,7 @@ def initialise(model, batch) -> dict:
 def pretrain_within(args, clock: Clock) -> tuple[dict, dict]:
     """float32 pretraining for `args.pretrain_seconds` after its compile.
 
-    `benchmarks/language_model.py`'s model, batches and loss; Adam with warmup and
+    `lossscale/demo_language_model.py`'s model, batches and loss; Adam with warmup and
     a cosine decay over `args.pretrain_max_steps` (the time may end it first),
     clipped at norm 1. Returns the parameters and a record.
     """
@@ -318,8 +317,10 @@ def calibrate(params, precision, args) -> dict:
 
 
 def texts(batch, group: int) -> dict:
-    """Three of a batch's samples (of different prompts), as text, with rewards;
-    and how many of the batch's continuations differ."""
+    """Three of a batch's samples as text, with rewards; how many continuations differ.
+
+    The three are of different prompts.
+    """
     tokens, rewards = jax.device_get((batch[0], batch[3]))
     rows = [0, group, 2 * group][: max(1, tokens.shape[0] // group)]
     return {
@@ -546,8 +547,10 @@ def departure(ref: dict, summaries: list[dict], steps: int) -> str:
 
 
 def write(results: dict, prefix: str, figure: bool = True) -> None:
-    """The .json, the .md and (if `figure`: a second or two) the .png; packs them
-    if `$PACK` names a file."""
+    """Writes the .json, the .md and (if `figure`) the .png.
+
+    Packs them if `$PACK` names a file. The figure takes a second or two.
+    """
     with open(prefix + ".json", "w") as f:
         json.dump(results, f)
     with open(prefix + ".md", "w") as f:
@@ -568,6 +571,7 @@ def write(results: dict, prefix: str, figure: bool = True) -> None:
 
 
 def markdown(results: dict) -> str:
+    """The results as the Markdown report the run writes."""
     meta, pre = results["meta"], results.get("pretraining")
     v = meta["versions"]
     lines = [
@@ -584,8 +588,8 @@ def markdown(results: dict) -> str:
     ]
     if pre:
         lines += [
-            f"Model: `benchmarks/language_model.py`'s ByteLM, {meta['layers']} blocks"
-            f" of width {meta['width']}, {meta['heads']} heads,"
+            "Model: `lossscale/demo_language_model.py`'s ByteLM,"
+            f" {meta['layers']} blocks of width {meta['width']}, {meta['heads']} heads,"
             f" {pre['parameters'] / 1e6:.1f}M parameters, float32 master weights."
             f" Initialised in {pre.get('setup_s', float('nan')):.0f} s, then"
             f" pretrained in float32 for {pre['steps']} steps ({pre['steps_s']:.0f} s"
@@ -597,8 +601,8 @@ def markdown(results: dict) -> str:
         ]
     task = meta.get("task", "lipogram")
     lines += [
-        f"RL: `examples/rl_float16.py`'s task `{task}` (32 bytes after a 16-byte"
-        f" prompt; reward: {rl.TASKS[task]}), "
+        f"RL: `examples/rl_float16/rl_float16.py`'s task `{task}` (32 bytes after a"
+        f" 16-byte prompt; reward: {rl.TASKS[task]}), "
         f"{meta['prompts']} prompts x {meta['group']} samples a step, one Adam"
         f" {meta['learning_rate']:g} update (clipped at norm 1) of the clipped GRPO"
         " objective; the sampler (prefill, then decode with a KV cache) and the"
@@ -713,6 +717,7 @@ def markdown(results: dict) -> str:
 
 
 def moving_mean(values, window: int) -> np.ndarray:
+    """The mean of each `window` consecutive values (the values if fewer)."""
     values = np.asarray(values, np.float64)
     if window <= 1 or len(values) < window:
         return values
@@ -720,6 +725,7 @@ def moving_mean(values, window: int) -> np.ndarray:
 
 
 def plot(results: dict, path: str) -> None:
+    """Plots each precision's reward, mismatch and scale against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -772,6 +778,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def parse(argv=None):
+    """The command line's arguments."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -860,14 +867,18 @@ def parse(argv=None):
 
 
 def device_name(kind: str) -> str:
-    """A GPU's model for a file name: "NVIDIA H200" -> "h200", "NVIDIA H100 80GB
-    HBM3" -> "h100" (not "hbm3"), "NVIDIA A100-SXM4-80GB" -> "a100"."""
+    """A GPU's model for a file name.
+
+    "NVIDIA H200" -> "h200", "NVIDIA H100 80GB HBM3" -> "h100" (not "hbm3"),
+    "NVIDIA A100-SXM4-80GB" -> "a100".
+    """
     words = [w for w in kind.split() if w.upper() != "NVIDIA"]
     model = next((w for w in words if any(c.isdigit() for c in w)), words[-1])
     return model.split("-")[0].lower()
 
 
 def main(argv=None):
+    """Pretrains, runs each precision within the time budget, writes results."""
     args = parse(argv)
     clock = Clock(args.start_time or PROCESS_START, args.budget, args.reserve)
     backend = jax.default_backend()
@@ -879,7 +890,7 @@ def main(argv=None):
     results = {
         "meta": {
             "command": os.environ.get("RL_COMMAND", "")
-            or "python benchmarks/rl_long_run.py " + " ".join(sys.argv[1:]),
+            or "python examples/rl_float16/rl_long_run.py " + " ".join(sys.argv[1:]),
             "python_command": " ".join(["python", *sys.argv]),
             "device": kind,
             "backend": backend,

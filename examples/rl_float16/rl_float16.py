@@ -1,11 +1,11 @@
 """RL fine-tuning of a byte-level language model in float16, with loss scaling.
 
-    python examples/rl_float16.py                       # float16 + lossscale
-    python examples/rl_float16.py --precision bfloat16  # or float32, float16-unscaled
-    python examples/rl_float16.py --quick               # a smoke run
-    python examples/rl_float16.py --help                # every flag, its default
+    python examples/rl_float16/rl_float16.py             # float16 + lossscale
+    python examples/rl_float16/rl_float16.py --precision bfloat16  # float32, ...
+    python examples/rl_float16/rl_float16.py --quick     # a smoke run
+    python examples/rl_float16/rl_float16.py --help      # every flag, its default
 
-The byte-level transformer of `benchmarks/language_model.py` (Flax linen, float32
+The byte-level transformer of `lossscale/demo_language_model.py` (Flax linen, float32
 parameters) is pretrained briefly in float32 on the Python documentation
 (`pydoc_data.topics`), then fine-tuned with a policy gradient on a task whose reward
 a program checks: continue a prompt from the documentation with 32 bytes that contain
@@ -38,9 +38,9 @@ example prints the preflight report (stderr), then one line per step
 of the sampled bytes, the largest importance ratio p_trainer / p_sampler, the global
 norm of the unscaled gradients, the loss scale and the skipped steps so far; and a
 summary at the end.
-`benchmarks/rl_fine_tuning.py` runs it over precisions and seeds and measures what
-it does not: the gradients lost to underflow. `benchmarks/rl_long_run.py` runs it
-for hundreds of steps on a larger model, on a GPU.
+`rl_fine_tuning.py` (beside it) runs it over precisions and seeds and measures what
+it does not: the gradients lost to underflow. `rl_long_run.py` runs it for hundreds
+of steps on a larger model, on a GPU.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import os
 import re
 import sys
 import time
@@ -65,8 +64,7 @@ import optax
 import lossscale
 
 # The project's byte-level language model, defined once, in the benchmarks.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-import language_model  # noqa: E402
+from lossscale import demo_language_model as language_model  # noqa: E402
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
@@ -594,7 +592,7 @@ def pretrain(
     layers: int = 2,
     heads: int = 4,
 ):
-    """`benchmarks/language_model.py`'s float32 training: (params, held-out loss).
+    """`lossscale/demo_language_model.py`'s float32 training: (params, held-out loss).
 
     `steps` of Adam on `batch` windows of 128 bytes, for a model of `layers`
     blocks of `width` with `heads` attention heads; the held-out loss (nats per

@@ -1,7 +1,7 @@
 """A byte-level transformer language model on real English text, in float16.
 
-    python benchmarks/language_model.py          # the full run (about 10 min, 2 CPUs)
-    python benchmarks/language_model.py --steps 40 --seeds 0 --quick  # a smoke run
+    python -m lossscale.demo_language_model   # the full run (about 10 min, 2 CPUs)
+    python -m lossscale.demo_language_model --steps 40 --seeds 0 --quick  # smoke run
 
 A small decoder-only transformer (Flax linen; float32 master parameters, float16
 matmuls; layer norms and softmax in float32 unless `--float16-norms`) learns to
@@ -48,6 +48,8 @@ def corpus() -> tuple[np.ndarray, np.ndarray]:
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: causal self-attention and an MLP, in `compute`."""
+
     width: int
     heads: int
     compute: jnp.dtype
@@ -55,6 +57,7 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        """The block on `x`, tokens by width."""
         dense = dict(dtype=self.compute, param_dtype=F32)
         tokens = x.shape[1]
         h = nn.LayerNorm(dtype=self.norms, param_dtype=F32)(x).astype(self.compute)
@@ -73,6 +76,8 @@ class Block(nn.Module):
 
 
 class ByteLM(nn.Module):
+    """A byte-level decoder-only transformer: 256 byte logits per position."""
+
     width: int = 64
     layers: int = 2
     heads: int = 4
@@ -82,6 +87,7 @@ class ByteLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
+        """Next-byte logits for a batch of byte `tokens`."""
         embed = nn.Embed(256, self.width, param_dtype=F32)
         position = self.param(
             "position", nn.initializers.normal(0.02), (self.context, self.width), F32
@@ -103,6 +109,7 @@ def batches(data, batch, context, seed):
 
 
 def cross_entropy(logits, targets):
+    """The mean next-byte cross-entropy in float32, nats per byte."""
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(F32), targets
     ).mean()
@@ -117,6 +124,7 @@ RUNS = {
 
 
 def model_for(args, compute):
+    """The model of the command line's size, computing in `compute`."""
     norms = F16 if (args.float16_norms and compute == F16) else F32
     return ByteLM(
         width=args.width,
@@ -129,6 +137,7 @@ def model_for(args, compute):
 
 
 def train(name, args, data, held_out, seed):
+    """One run (`RUNS[name]`) for `args.steps` steps: its losses, scale, skips."""
     compute, loss_scale = RUNS[name]
     model = model_for(args, compute)
     stream = batches(data, args.batch, args.context, seed)
@@ -216,6 +225,7 @@ def _fidelity(exact, low):
 
 
 def main(argv=None):
+    """Runs every precision and seed, then writes the results (`--out`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", default="0,1,2")
@@ -266,6 +276,7 @@ def main(argv=None):
 
 
 def write(results, args):
+    """Writes the results as `.json`, `.md` and the loss curves' `.png`."""
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(results, f)
@@ -317,6 +328,7 @@ def write(results, args):
 
 
 def plot(results, path):
+    """Plots each run's held-out loss against the step to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")

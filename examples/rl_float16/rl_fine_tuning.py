@@ -1,11 +1,11 @@
 """Float16 for RL fine-tuning: the training-inference mismatch, RL runs, underflow.
 
-    python benchmarks/rl_fine_tuning.py   # the full run (see the .md for its time)
-    python benchmarks/rl_fine_tuning.py --pretrain-steps 20 --seeds 0 --steps 5 \
-        --quick --out /tmp/rl_smoke     # a smoke run, no plot (5 min: compiles)
+    python examples/rl_float16/rl_fine_tuning.py   # the full run (its .md: the time)
+    python examples/rl_float16/rl_fine_tuning.py --pretrain-steps 20 --seeds 0 \
+        --steps 5 --quick --out /tmp/rl_smoke   # a smoke run, no plot (5 min: compiles)
 
-Uses `examples/rl_float16.py` (the byte-level language model of
-`benchmarks/language_model.py`, its KV-cached sampler, the lipogram task and the
+Uses `examples/rl_float16/rl_float16.py` (the byte-level language model of
+`lossscale/demo_language_model.py`, its KV-cached sampler, the lipogram task and the
 clipped GRPO step with lossscale). In one process:
 
 1. Pretrains the model in float32 (`--pretrain-steps` of 64 x 128 bytes of
@@ -50,17 +50,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import rl_float16 as rl  # noqa: E402
 
 import lossscale
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
-import rl_float16 as rl  # noqa: E402
 
 F32, BF16, F16 = rl.F32, rl.BF16, rl.F16
 DTYPES = {"float32": F32, "bfloat16": BF16, "float16": F16}
 
 
 def cpu_seconds() -> float:
+    """The process's CPU time so far, user and system, in seconds."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -139,8 +138,10 @@ def _gradient_fn(compute, prompt_length, width, layers):
 
 @jax.jit
 def _count_lost(reference, grads):
-    """Per leaf: elements lost (non-zero in `reference`, zero in `grads`), elements
-    non-zero in `reference`; and whether every element of `grads` is finite."""
+    """Per leaf, elements lost and non-zero in `reference`; whether `grads` is finite.
+
+    Lost: non-zero in `reference`, zero in `grads`.
+    """
     lost, nonzero, finite = [], [], []
     for ref, low in zip(
         jax.tree.leaves(reference), jax.tree.leaves(grads), strict=True
@@ -152,8 +153,9 @@ def _count_lost(reference, grads):
 
 
 def lost_to_underflow(params, batch, compute, loss_scale, prompt_length, tokens):
-    """Device arrays (lost per leaf, non-zero per leaf, all finite): the run's
-    gradient against float32's.
+    """The run's gradient against float32's, as device arrays.
+
+    Lost per leaf, non-zero per leaf, and whether all are finite.
 
     Both gradients are of the same loss at the same parameters on the same batch;
     the reference computes in float32 without scaling, the run's in `compute`
@@ -181,6 +183,7 @@ def lost_figures(params, lost, nonzero, finite) -> dict:
 
 
 def leaves_with_path(tree):
+    """A tree's leaves with their paths, in `jax.tree` order."""
     return jax.tree_util.tree_leaves_with_path(tree)
 
 
@@ -398,7 +401,7 @@ def short_main(args) -> dict:
     results = {
         "meta": {
             "command": " ".join(
-                ["python", "benchmarks/rl_fine_tuning.py", *sys.argv[1:]]
+                ["python", "examples/rl_float16/rl_fine_tuning.py", *sys.argv[1:]]
             ),
             "versions": versions(),
             "machine": machine(),
@@ -466,6 +469,7 @@ def machine() -> dict:
 
 
 def versions() -> dict:
+    """The versions of lossscale and the packages a run depends on."""
     found = {"lossscale": lossscale.__version__}
     for package in ("jax", "jaxlib", "flax", "optax", "numpy", "matplotlib"):
         try:
@@ -476,6 +480,7 @@ def versions() -> dict:
 
 
 def main(argv=None):
+    """Pretrains, fine-tunes in each precision and seed, and writes the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pretrain-steps", type=int, default=200)
     parser.add_argument("--lengths", default="16,32,112")
@@ -508,7 +513,7 @@ def main(argv=None):
     results = {
         "meta": {
             "command": " ".join(
-                ["python", "benchmarks/rl_fine_tuning.py", *sys.argv[1:]]
+                ["python", "examples/rl_float16/rl_fine_tuning.py", *sys.argv[1:]]
             )
             if argv is None
             else "main(" + repr(argv) + ")",
@@ -578,6 +583,7 @@ def main(argv=None):
 
 
 def write(results, args):
+    """Writes the results as `.json` and `.md` (and the figure, `plot`)."""
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(results, f)
@@ -590,6 +596,7 @@ def write(results, args):
 
 
 def markdown(results, args) -> str:
+    """The results as the Markdown report `--out`.md holds."""
     meta = results["meta"]
     v = meta["versions"]
     m = meta["machine"]
@@ -728,6 +735,7 @@ def markdown(results, args) -> str:
 
 
 def plot(results, path):
+    """Plots each precision's reward and mismatch against the step to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
