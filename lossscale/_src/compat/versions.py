@@ -28,7 +28,7 @@ def layout(target: Any, version: str) -> Any:
     `target` with each loss-scale state laid out as `version` saved it: for
     0.3.0, a dict of the fields it saved (all but `overflow_scale`); for 0.2,
     `{"int32_fields": ..., "float32_fields": ...}`, the arrays it packed the
-    fields into, as `jax.ShapeDtypeStruct`s (with the state's leading shape, for
+    fields into, as `jax.ShapeDtypeStruct` leaves (with the state's leading shape, for
     a state stacked for `pmap`). In the state of a `lossscale.flax.Optimizer`
     (`nnx.state(optimizer)`) the entries 0.3.0 did not have are left out.
     Restore into it, then pass what comes back to `upgrade` (or, for NNX, to
@@ -109,7 +109,7 @@ def upgrade(restored: Any, target: Any) -> Any:
       ValueError: if a loss-scale state's place in `restored` holds none of the
         known layouts of its kind, or the trees do not match.
       TypeError: if a state's place holds the restore target itself
-        (`jax.ShapeDtypeStruct`s), not what was restored.
+        (`jax.ShapeDtypeStruct` leaves), not what was restored.
 
     Examples:
       >>> import numpy as np, lossscale
