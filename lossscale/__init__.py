@@ -12,6 +12,7 @@ a float16 program will fail; after a skip, `locate_overflow` says where),
 integrations `lossscale.flax` and `lossscale.tunix` (imported explicitly).
 """
 
+import sys as _sys
 import typing as _typing
 
 from lossscale import checkpoints as checkpoints
@@ -52,14 +53,41 @@ __all__ = (
     "wrap",
 )
 
-if not _typing.TYPE_CHECKING:  # to a type checker, a misspelt name is an error
+if _typing.TYPE_CHECKING:
+    # The names 0.4 moved, which still resolve until 0.5 (with a warning at run
+    # time): a user's type checker sees them too.
+    from lossscale._src.api.leaf_path import leaf_path as leaf_path
+    from lossscale._src.api.metrics import grad_stats as grad_stats
+    from lossscale._src.compat.checkpoint_0_3_0 import (
+        checkpoint_0_3_0_layout as checkpoint_0_3_0_layout,
+    )
+    from lossscale._src.compat.checkpoint_0_3_0 import (
+        from_checkpoint_0_3_0 as from_checkpoint_0_3_0,
+    )
+    from lossscale._src.compat.checkpoints import check_config as check_config
+    from lossscale._src.compat.checkpoints import (
+        checkpoint_0_2_layout as checkpoint_0_2_layout,
+    )
+    from lossscale._src.compat.checkpoints import (
+        from_checkpoint_0_2 as from_checkpoint_0_2,
+    )
+    from lossscale._src.diagnostics.findings import Finding as Finding
+    from lossscale._src.diagnostics.findings import PreflightReport as PreflightReport
+    from lossscale._src.diagnostics.locate import OverflowReport as OverflowReport
+    from lossscale._src.diagnostics.locate import locate_overflow as locate_overflow
+    from lossscale._src.diagnostics.preflight import preflight as preflight
+    from lossscale._src.diagnostics.step_check import preflight_step as preflight_step
+else:  # to a type checker, a misspelt name is an error
 
     def __getattr__(name: str):
-        # 0.3's names that 0.4 moved into `diagnostics` and `checkpoints`, and 0.2's
+        # The names 0.4 moved into `diagnostics` and `checkpoints`, and 0.2's
         # removed ones: an alias that warns, or an error naming the new spelling.
         from lossscale._src.compat import compat_0_2
         from lossscale._src.compat import moved
 
         if name in moved.MOVED or name in moved.RETIRED:
-            return moved.module_attribute(name)
+            # `from lossscale import name` asks `hasattr` first, then gets it: one
+            # warning, at the second.
+            caller = _sys._getframe(1).f_code.co_name
+            return moved.module_attribute(name, warn=caller != "_handle_fromlist")
         return compat_0_2.module_attribute(name)

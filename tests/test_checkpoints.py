@@ -552,3 +552,50 @@ def test_upgrade_refuses_leaves_of_no_known_layout_naming_the_layout_to_use():
     target = {"s": lossscale.DynamicLossScale()}
     with pytest.raises(ValueError, match=r"lossscale.checkpoints.layout\(target"):
         lossscale.checkpoints.upgrade({"s": {"scale": jnp.float32(2.0)}}, target)
+
+
+@pytest.mark.parametrize("same", [("0.2", "0.2.0"), ("0.3.0", "0.3")])
+def test_layout_takes_a_release_by_either_spelling(same):
+    target = jax.eval_shape(lambda: {"s": lossscale.DynamicLossScale()})
+    first, second = (lossscale.checkpoints.layout(target, v) for v in same)
+    assert jax.tree.structure(first) == jax.tree.structure(second)
+    assert jax.tree.leaves(first) == jax.tree.leaves(second)
+
+
+def test_upgrade_refuses_a_target_without_a_state_and_says_when_they_are_swapped():
+    target = {"s": lossscale.DynamicLossScale()}
+    layout = lossscale.checkpoints.layout(target, "0.2")
+    with pytest.raises(ValueError, match="holds no loss-scale state: pass the tree"):
+        lossscale.checkpoints.upgrade(layout, layout)  # the layout as `target`
+    with pytest.raises(ValueError, match=r"and `restored` does: swap them"):
+        lossscale.checkpoints.upgrade(target, {"s": layout["s"]})
+
+
+def test_upgrade_names_the_place_of_a_bad_0_2_array():
+    target = {"s": lossscale.DynamicLossScale()}
+    arrays = {k: v[0] for k, v in stacked_0_2_arrays(1).items()}
+    arrays["int32_fields"] = arrays["int32_fields"][:5]
+    with pytest.raises(ValueError, match=r"`restored\['s'\]\['int32_fields'\]` must"):
+        lossscale.checkpoints.upgrade({"s": arrays}, target)
+
+
+def test_an_nnx_optimizers_state_comes_back_for_nnx_update(tmp_path):
+    from flax import nnx
+
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(os.path.join(DATA, "checkpoint_0_3_0"), directory)
+    _, optimizer = targets_0_3_0()
+    target = nnx.state(optimizer)
+    layout = lossscale.checkpoints.layout(target, "0.3.0")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, layout)
+    with ocp.CheckpointManager(directory) as manager:
+        restored = manager.restore(
+            7, args=ocp.args.Composite(nnx=ocp.args.StandardRestore(abstract))
+        ).nnx
+    upgraded = lossscale.checkpoints.upgrade(restored, target)
+    assert jax.tree.structure(upgraded) == jax.tree.structure(restored)
+    nnx.update(optimizer, upgraded)
+    assert_as_0_3_0_saved({"nnx": optimizer.loss_scale})
+    # 0.2 had no NNX optimizer: its layout says so.
+    with pytest.raises(ValueError, match="0.2 had no `lossscale.flax.Optimizer`"):
+        lossscale.checkpoints.layout(target, "0.2")

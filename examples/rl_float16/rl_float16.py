@@ -63,7 +63,7 @@ import optax
 
 import lossscale
 
-# The project's byte-level language model, defined once, in the benchmarks.
+# The project's byte-level language model, defined once, in the package's demos.
 from lossscale import demo_language_model as language_model  # noqa: E402
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16

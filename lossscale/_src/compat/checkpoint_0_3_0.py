@@ -54,13 +54,13 @@ def checkpoint_0_3_0_layout(target: Any) -> Any:
             found[0] = True
             names = kind_fields.leaf_names(type(node))
             return {n: getattr(node, n) for n in names if n not in ADDED_AFTER_0_3_0}
-        if _is_nnx_entries(node):
+        if is_nnx_entries(node):
             found[0] = True
             kept = {k: v for k, v in node.items() if k not in ADDED_AFTER_0_3_0}
             return type(node)(kept)
         return node
 
-    layout = jax.tree.map(laid_out, target, is_leaf=_is_state)
+    layout = jax.tree.map(laid_out, target, is_leaf=is_state)
     if not found[0]:
         raise ValueError(
             f"`target` (a {type(target).__name__}) holds no loss-scale state: pass"
@@ -138,10 +138,11 @@ def rebuilt(path: Any, node: Any, value: Any) -> Any:
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(LossScale)}
 
 
-def _is_state(node: Any) -> bool:
-    return isinstance(node, LossScale) or _is_nnx_entries(node)
+def is_state(node: Any) -> bool:
+    """A loss-scale state, or one as `nnx.state` holds it."""
+    return isinstance(node, LossScale) or is_nnx_entries(node)
 
 
-def _is_nnx_entries(node: Any) -> bool:
+def is_nnx_entries(node: Any) -> bool:
     """A loss-scale state as `nnx.state` holds it: a mapping of its fields."""
     return isinstance(node, Mapping) and set(COUNTERS) <= set(node)

@@ -128,13 +128,16 @@ def checkpoint_0_2_layout(
     }
 
 
-def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> LossScale:
+def from_checkpoint_0_2(
+    arrays: Mapping[str, Any], config: dict[str, Any], *, where: str = "arrays"
+) -> LossScale:
     """The state a lossscale 0.2 checkpoint holds, from its packed arrays.
 
     Args:
       arrays: the restored arrays, by the names `checkpoint_0_2_layout` gives.
       config: the state's `get_config()` as 0.2 saved it (a static scale's
         `"scale"` is now `"value"`; both are read).
+      where: what to call `arrays` in a message.
 
     Returns:
       The state, of the kind and settings in `config`, with every field and
@@ -157,7 +160,7 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
         )
     config = _upgraded(config)
     layout = _layout(_kind(config))
-    _validate_arrays(arrays, layout, config["kind"])
+    _validate_arrays(arrays, layout, config["kind"], where)
     state = LossScale.from_config(config)
     values = {}
     batch: tuple[int, ...] | None = None
@@ -166,7 +169,7 @@ def from_checkpoint_0_2(arrays: Mapping[str, Any], config: dict[str, Any]) -> Lo
         total = sum(size for _, size in slots)
         if packed.shape[-1:] != (total,) or batch not in (None, packed.shape[:-1]):
             raise ValueError(
-                f"`arrays[{name!r}]` must have {total} elements (the 0.2 layout of"
+                f"`{where}[{name!r}]` must have {total} elements (the 0.2 layout of"
                 f" {config['kind']!r}) after the leading dimensions the other"
                 f" arrays have, got shape {packed.shape}."
             )
@@ -193,11 +196,11 @@ def is_packed(value: Any) -> bool:
     )
 
 
-def _validate_arrays(arrays: Any, layout: dict, kind: str) -> None:
-    """Raises unless `arrays` holds restored arrays by the names of `layout`."""
+def _validate_arrays(arrays: Any, layout: dict, kind: str, where: str) -> None:
+    """Raises unless `arrays` (named `where`) holds restored arrays of `layout`."""
     if isinstance(arrays, LossScale):
         raise TypeError(
-            f"`arrays` is a `{type(arrays).__name__}`, a 0.3 state already: use it"
+            f"`{where}` is a `{type(arrays).__name__}`, a 0.3 state already: use it"
             " as it is; `from_checkpoint_0_2` reads the packed arrays of a 0.2"
             " checkpoint."
         )
@@ -211,16 +214,16 @@ def _validate_arrays(arrays: Any, layout: dict, kind: str) -> None:
             for path, node in paths
             if path and is_packed(node) and set(node) == set(layout)
         ]
-        where = f" They are at `arrays{inside[0]}`: pass that." if inside else ""
+        there = f" They are at `{where}{inside[0]}`: pass that." if inside else ""
         raise ValueError(
-            f"`arrays` must hold the 0.2 arrays {sorted(layout)} of a {kind!r}"
+            f"`{where}` must hold the 0.2 arrays {sorted(layout)} of a {kind!r}"
             f" state, got {got}; restore into `lossscale.checkpoints.layout(target,"
-            f' "0.2")`.{where}'
+            f' "0.2")`.{there}'
         )
     for name in layout:
         if isinstance(arrays[name], jax.ShapeDtypeStruct):
             raise TypeError(
-                f"`arrays[{name!r}]` is a `ShapeDtypeStruct`: `arrays` is the"
+                f"`{where}[{name!r}]` is a `ShapeDtypeStruct`: `{where}` is the"
                 " restore target from `lossscale.checkpoints.layout`, not what was"
                 " restored. Put it in the target, restore the checkpoint, and pass"
                 " the restored arrays (the tree the restore returns, at the same"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lossscale._src.deprecation import warn
+from lossscale._src import deprecation
 
 _NOTE = "moved in lossscale 0.4; the old name goes in 0.5, see CHANGELOG.md"
 
@@ -53,12 +53,14 @@ RETIRED = {
 }
 
 
-def module_attribute(name: str) -> Any:
+def module_attribute(name: str, warn: bool = True) -> Any:
     """`lossscale.<name>` for a name 0.4 moved, with a warning; else `KeyError`."""
     if name in MOVED:
         module, new = MOVED[name]
-        warn(f"`lossscale.{name}` is `{module}.{new}`", note=_NOTE)
-        return getattr(importlib.import_module(module), new)
-    module, instead = RETIRED[name]
-    warn(f"`lossscale.{name}` is `{instead}`", note=_NOTE)
-    return getattr(importlib.import_module(module), name)
+        message = f"`lossscale.{name}` is `{module}.{new}`"
+    else:
+        module, instead = RETIRED[name]
+        module, new, message = module, name, f"`lossscale.{name}` is `{instead}`"
+    if warn:
+        deprecation.warn(message, note=_NOTE)
+    return getattr(importlib.import_module(module), new)
