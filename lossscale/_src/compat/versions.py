@@ -63,14 +63,15 @@ def layout(target: Any, version: str) -> Any:
       {'int32_fields': ShapeDtypeStruct(shape=(6,), dtype=int32),
        'float32_fields': ShapeDtypeStruct(shape=(1,), dtype=float32)}
     """
-    if _SPELLINGS.get(version) not in VERSIONS:
+    known = _SPELLINGS.get(version) if isinstance(version, str) else None
+    if known is None:
         raise ValueError(
             f"`version` must be one of {VERSIONS}, the versions whose checkpoints"
             f" lay a loss-scale state out otherwise, got {version!r}. A checkpoint"
             " written by lossscale 0.4 or later restores into today's target as"
             " it is."
         )
-    if _SPELLINGS[version] == "0.3.0":
+    if known == "0.3.0":
         return checkpoint_0_3_0.checkpoint_0_3_0_layout(target)
     found = []
 
