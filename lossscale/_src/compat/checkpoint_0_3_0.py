@@ -47,27 +47,17 @@ def checkpoint_0_3_0_layout(target: Any) -> Any:
     Deprecated in 0.4 as `lossscale.checkpoint_0_3_0_layout`: it is
     `lossscale.checkpoints.layout(target, "0.3.0")` now.
     """
-    found = [False]
+    require_state(target)
 
     def laid_out(node: Any) -> Any:
         if isinstance(node, LossScale):
-            found[0] = True
-            names = kind_fields.leaf_names(type(node))
-            return {n: getattr(node, n) for n in names if n not in ADDED_AFTER_0_3_0}
+            return {n: getattr(node, n) for n in saved_fields(type(node))}
         if is_nnx_entries(node):
-            found[0] = True
             kept = {k: v for k, v in node.items() if k not in ADDED_AFTER_0_3_0}
             return type(node)(kept)
         return node
 
-    layout = jax.tree.map(laid_out, target, is_leaf=is_state)
-    if not found[0]:
-        raise ValueError(
-            f"`target` (a {type(target).__name__}) holds no loss-scale state: pass"
-            " the restore target you would use for a checkpoint of this version"
-            " (the train state, `(params, opt_state)`, `nnx.state(optimizer)`)."
-        )
-    return layout
+    return jax.tree.map(laid_out, target, is_leaf=is_state)
 
 
 def from_checkpoint_0_3_0(restored: Any, target: Any) -> Any:
@@ -113,25 +103,43 @@ def rebuilt(path: Any, node: Any, value: Any) -> Any:
             " was written after 0.3.0 and restores as it is, without the 0.3.0"
             " layout."
         )
-    kind = type(node)
-    names = kind_fields.leaf_names(kind)
-    saved = [n for n in names if n not in ADDED_AFTER_0_3_0]
+    saved = saved_fields(type(node))
     if not isinstance(value, Mapping) or set(value) != set(saved):
         got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
         raise ValueError(
-            f"`{where}` must hold the fields 0.3.0 saved of a `{kind.__name__}`,"
+            f"`{where}` must hold the fields 0.3.0 saved of a `{type(node).__name__}`,"
             f" {saved}, got {got}: restore into `lossscale.checkpoints.layout(target,"
             ' "0.3.0")` with the same `target`.'
         )
-    specs = kind_fields.specs(kind)
+    return from_saved(node, value)
+
+
+def saved_fields(kind: type[LossScale]) -> list[str]:
+    """The fields a 0.3.0 checkpoint holds of a state of `kind`, in leaf order."""
+    return [n for n in kind_fields.leaf_names(kind) if n not in ADDED_AFTER_0_3_0]
+
+
+def from_saved(node: LossScale, value: Mapping[str, Any]) -> LossScale:
+    """A state of `node`'s kind and settings from the fields 0.3.0 saved of it."""
+    specs = kind_fields.specs(type(node))
     batch = jnp.shape(value["skipped_steps"])  # a state stacked for `pmap`
     leaves = [
         jnp.asarray(value[n], specs[n].dtype)
         if n in value
         else jnp.full(batch + specs[n].shape, _DEFAULTS[n], specs[n].dtype)
-        for n in names
+        for n in kind_fields.leaf_names(type(node))
     ]
     return jax.tree.unflatten(jax.tree.structure(node), leaves)
+
+
+def require_state(target: Any) -> None:
+    """Raises `ValueError` unless `target` holds a loss-scale state (NNX's too)."""
+    if not any(map(is_state, jax.tree.leaves(target, is_leaf=is_state))):
+        raise ValueError(
+            f"`target` (a {type(target).__name__}) holds no loss-scale state: pass"
+            " the restore target you would use for a checkpoint of this version"
+            " (the train state, `(params, opt_state)`, `nnx.state(optimizer)`)."
+        )
 
 
 # The counters' defaults, which a 0.3.0 checkpoint's missing ones take.

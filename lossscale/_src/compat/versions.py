@@ -17,8 +17,6 @@ import jax
 
 from lossscale._src.compat import checkpoint_0_3_0
 from lossscale._src.compat import checkpoints
-from lossscale._src.state import kind_fields
-from lossscale._src.state.kind import ADDED_AFTER_0_3_0
 from lossscale._src.state.kind import LossScale
 
 # The versions whose checkpoints lay a state out otherwise than today's, and the
@@ -73,7 +71,7 @@ def layout(target: Any, version: str) -> Any:
         )
     if known == "0.3.0":
         return checkpoint_0_3_0.checkpoint_0_3_0_layout(target)
-    found = []
+    checkpoint_0_3_0.require_state(target)
 
     def packed(node: Any) -> Any:
         if checkpoint_0_3_0.is_nnx_entries(node):
@@ -84,18 +82,10 @@ def layout(target: Any, version: str) -> Any:
             )
         if not isinstance(node, LossScale):
             return node
-        found.append(node)
         batch = tuple(jax.numpy.shape(node.skipped_steps))  # stacked for `pmap`
         return checkpoints.checkpoint_0_2_layout(node.get_config(), batch_shape=batch)
 
-    laid_out = jax.tree.map(packed, target, is_leaf=checkpoint_0_3_0.is_state)
-    if not found:
-        raise ValueError(
-            f"`target` (a {type(target).__name__}) holds no loss-scale state: pass"
-            " the restore target you would use for a checkpoint of this version"
-            " (the train state, `(params, opt_state)`, `nnx.state(optimizer)`)."
-        )
-    return laid_out
+    return jax.tree.map(packed, target, is_leaf=checkpoint_0_3_0.is_state)
 
 
 def upgrade(restored: Any, target: Any) -> Any:
@@ -164,8 +154,7 @@ def upgrade(restored: Any, target: Any) -> Any:
             return checkpoints.from_checkpoint_0_2(
                 value, node.get_config(), where=where
             )
-        names = kind_fields.leaf_names(type(node))
-        saved = [n for n in names if n not in ADDED_AFTER_0_3_0]
+        saved = checkpoint_0_3_0.saved_fields(type(node))
         if not isinstance(value, Mapping) or set(value) != set(saved):
             got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
             raise ValueError(
@@ -175,7 +164,7 @@ def upgrade(restored: Any, target: Any) -> Any:
                 f" {got}. Restore into `lossscale.checkpoints.layout(target, version)`"
                 " with the same `target`."
             )
-        return checkpoint_0_3_0.rebuilt(path, node, value)
+        return checkpoint_0_3_0.from_saved(node, value)
 
     return jax.tree_util.tree_map_with_path(rebuilt, target, restored, is_leaf=states)
 
