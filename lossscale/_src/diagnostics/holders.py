@@ -28,12 +28,11 @@ def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
         if not isinstance(old, LossScale):
             return old
         variable = variable_type()
+        is_variable = lambda x: isinstance(x, variable)  # noqa: E731
         if variable is None or not any(
-            isinstance(x, variable)
-            for x in jax.tree.leaves(old, is_leaf=lambda x: isinstance(x, variable))
+            map(is_variable, jax.tree.leaves(old, is_leaf=is_variable))
         ):
             return loss_scale
-        is_variable = lambda x: isinstance(x, variable)  # noqa: E731
         if jax.tree.structure(old, is_leaf=is_variable) != jax.tree.structure(
             loss_scale
         ):
@@ -46,10 +45,7 @@ def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
                 " check."
             )
         return jax.tree.map(
-            lambda var, new: var.replace(new),
-            old,
-            loss_scale,
-            is_leaf=is_variable,
+            lambda var, new: var.replace(new), old, loss_scale, is_leaf=is_variable
         )
 
     return jax.tree.map(put, tree, is_leaf=lambda x: isinstance(x, LossScale))
