@@ -94,7 +94,7 @@ def loss_in_half(jaxpr: Any) -> list[Finding]:
             eqn = next((e for e in jaxpr.eqns if var in e.outvars), None)
         if eqn is None:
             break
-        sub = interpret._sub_jaxpr(eqn, len(eqn.invars))
+        sub = interpret._sub_jaxpr(eqn)
         if sub is not None:  # a call: follow the output into its jaxpr
             jaxpr, var = sub.jaxpr, sub.jaxpr.outvars[eqn.outvars.index(var)]
             calls = (*calls, eqn)

@@ -129,7 +129,7 @@ def walk(
         env.update(zip(jaxpr.invars, zip(values, in_tags, strict=True), strict=True))
         for eqn in jaxpr.eqns:
             inputs, input_tags = read(eqn.invars)
-            sub = _sub_jaxpr(eqn, len(inputs))
+            sub = _sub_jaxpr(eqn)
             operands, operand_tags = inputs, input_tags
             if branches and eqn.primitive.name == "cond":
                 sub, operands, operand_tags = _branch(eqn, inputs, input_tags)
@@ -177,14 +177,14 @@ def _branch(eqn: Any, inputs: list, tags: list) -> tuple[Any, list, list]:
     return chosen, inputs[1:], tags[1:]
 
 
-def _sub_jaxpr(eqn: Any, arity: int) -> Any:
-    key = _CALLS.get(eqn.primitive.name)
-    sub = eqn.params.get(key) if key else None
+def _sub_jaxpr(eqn: Any) -> Any:
+    sub = eqn.params.get(_CALLS.get(eqn.primitive.name))
     if isinstance(sub, core.Jaxpr):
         sub = core.ClosedJaxpr(sub, ())
     if not isinstance(sub, core.ClosedJaxpr):
         return None
-    if len(sub.jaxpr.invars) != arity or len(sub.jaxpr.outvars) != len(eqn.outvars):
+    jaxpr = sub.jaxpr
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
         return None
     return sub
 
@@ -201,7 +201,7 @@ def constant_input(eqn: Any, calls: tuple[Any, ...]) -> Any:
     for call in reversed(calls):
         if isinstance(atom, core.Literal):
             break
-        inner = _sub_jaxpr(call, len(call.invars))
+        inner = _sub_jaxpr(call)
         invars = list(inner.jaxpr.invars) if inner is not None else []
         if atom not in invars:
             break
@@ -210,14 +210,17 @@ def constant_input(eqn: Any, calls: tuple[Any, ...]) -> Any:
 
 
 def nonfinite(value: Any) -> bool:
-    """Whether a floating-point array holds an inf or a NaN (others: False).
+    """Whether a floating-point array holds an inf or a NaN (others: False)."""
+    return inexact(value) and not bool(np.isfinite(np.asarray(value)).all())
+
+
+def inexact(value: Any) -> bool:
+    """Whether `value` has a floating-point (or complex) dtype.
 
     `jnp.issubdtype`, not NumPy's: a typed PRNG key's dtype (`key<fry>`) is not
     a NumPy dtype, and a key is held fixed like an integer.
     """
-    if not jnp.issubdtype(getattr(value, "dtype", np.int32), jnp.inexact):
-        return False
-    return not bool(np.isfinite(np.asarray(value)).all())
+    return jnp.issubdtype(getattr(value, "dtype", np.int32), jnp.inexact)
 
 
 def _produced(inputs: list[Any], outputs: list[Any]) -> bool:
@@ -281,10 +284,6 @@ def source(
 def _library_dirs(libraries: tuple[str, ...]) -> tuple[str, ...]:
     """Where `libraries` (and lossscale/_src) live: their frames are skipped."""
     # All of lossscale/_src, wherever in it this module is; not the user's tests.
-    dirs = [os.path.dirname(_src.__file__)]
-    for name in libraries:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            dirs.append(os.path.dirname(path))
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in libraries]
+    dirs = [os.path.dirname(path) for path in [_src.__file__, *files] if path]
     return tuple(os.path.join(d, "") for d in dirs)

@@ -122,7 +122,7 @@ class Probe:
                         for v in outputs
                         if jnp.issubdtype(getattr(v, "dtype", np.int32), jnp.floating)
                     )
-                    if any(_inexact(v) for v in outputs):
+                    if any(interpret.inexact(v) for v in outputs):
                         read(inputs, tags)
                     if not (_moves(eqn) or eqn.primitive.name in _SUMS_OF_TWO):
                         backward.extend(halves)
@@ -134,7 +134,7 @@ class Probe:
             def read(inputs, tags):
                 for value, tag in zip(inputs, tags, strict=True):
                     # Traced values: a literal or a constant is no forward value.
-                    computed = isinstance(value, jax.Array) and _inexact(value)
+                    computed = isinstance(value, jax.Array) and interpret.inexact(value)
                     if not tag and computed and id(value) not in self.reads:
                         upstream = lineage.get(id(value), (None, frozenset()))[1]
                         self.reads[id(value)] = (value, upstream)
@@ -240,7 +240,7 @@ def needed(jaxpr: Any, outputs: list[bool]) -> tuple[set[int], list[bool]]:
         if not any(wanted):
             continue
         found.add(id(eqn))
-        sub = interpret._sub_jaxpr(eqn, len(eqn.invars))
+        sub = interpret._sub_jaxpr(eqn)
         inputs = eqn.invars
         if sub is not None:
             inner, used = needed(sub.jaxpr, wanted)
@@ -266,10 +266,6 @@ def _moves(eqn: Any) -> bool:
             and float(jnp.finfo(after).max) >= float(jnp.finfo(before).max)
         )
     return eqn.primitive.name in _MOVES
-
-
-def _inexact(value: Any) -> bool:
-    return jnp.issubdtype(getattr(value, "dtype", np.int32), jnp.inexact)
 
 
 def _peaks(values: list[Any]) -> jax.Array:
