@@ -112,6 +112,9 @@ class Probe:
             # own; the indices of the inputs and measured values it comes from)
             lineage = {id(a): (a, frozenset([i])) for i, a in enumerate(args[:first])}
 
+            def upstream_of(value):  # its `lineage` indices (none if not in it)
+                return lineage.get(id(value), (None, frozenset()))[1]
+
             def visit(eqn, inputs, outputs, tags, calls):
                 # A value computed from the scale is the backward pass's.
                 is_marked = any(tags)
@@ -136,13 +139,10 @@ class Probe:
                     # Traced values: a literal or a constant is no forward value.
                     computed = isinstance(value, jax.Array) and interpret.inexact(value)
                     if not tag and computed and id(value) not in self.reads:
-                        upstream = lineage.get(id(value), (None, frozenset()))[1]
-                        self.reads[id(value)] = (value, upstream)
+                        self.reads[id(value)] = (value, upstream_of(value))
 
             def measure(eqn, inputs, outputs, halves, calls):
-                upstream = frozenset().union(
-                    *(lineage.get(id(v), (None, frozenset()))[1] for v in inputs)
-                )
+                upstream = frozenset().union(*map(upstream_of, inputs))
                 measured = {}
                 if not _moves(eqn):  # a new magnitude: measure its float16 outputs
                     for value in halves:
@@ -155,7 +155,7 @@ class Probe:
                     lineage[id(value)] = (value, measured.get(id(value), upstream))
 
             outputs, _ = interpret.walk(closed, args, visit, tags=marked)
-            self.loss_upstream = lineage.get(id(outputs[1]), (None, frozenset()))[1]
+            self.loss_upstream = upstream_of(outputs[1])
             read_values = [value for value, _ in self.reads.values()]
             return outputs, _peaks(values), _peaks(backward), _peaks(read_values)
 
@@ -168,41 +168,35 @@ class Probe:
 
     def __call__(self, scale: float) -> Evaluation:
         """The probe batch at `scale` (each scale is evaluated once)."""
-        if scale not in self.evaluations:
-            scale_array = jnp.asarray(scale, jnp.float32)
-            outputs, peaks, backward, reads = jax.device_get(
-                self._compiled([*self._args, scale_array])
-            )
-            _, loss, *grads = outputs
-            finite = bool(np.isfinite(loss)) and all(
-                np.isfinite(g).all() for g in grads
-            )
-            # How many times each backward value fits below the overflow threshold;
-            # 0 where it holds an inf or a NaN already.
-            with np.errstate(divide="ignore"):
-                headroom = np.where(np.isfinite(backward), F16_OVERFLOW / backward, 0)
-            reached = np.flatnonzero(headroom <= 1.0)
-            first = len(self.inputs_bad)
-            bad = np.concatenate([self.inputs_bad, ~np.isfinite(peaks)])
-            self.evaluations[scale] = Evaluation(
-                scale=scale,
-                loss=float(loss),
-                grads=grads,
-                finite=finite,
-                peaks=np.where(bad, 0, np.concatenate([np.zeros(first), peaks])),
-                bad=bad,
-                limit=scale * float(np.min(headroom, initial=np.inf)),
-                first_overflow=self.sites[reached[0]] if reached.size else None,
-                read_bad=frozenset().union(
-                    *(
-                        upstream
-                        for (_, upstream), peak in zip(
-                            self.reads.values(), reads, strict=True
-                        )
-                        if not np.isfinite(peak)
-                    )
-                ),
-            )
+        if scale in self.evaluations:
+            return self.evaluations[scale]
+        outputs, peaks, backward, reads = jax.device_get(
+            self._compiled([*self._args, jnp.asarray(scale, jnp.float32)])
+        )
+        _, loss, *grads = outputs
+        # How many times each backward value fits below the overflow threshold;
+        # 0 where it holds an inf or a NaN already.
+        with np.errstate(divide="ignore"):
+            headroom = np.where(np.isfinite(backward), F16_OVERFLOW / backward, 0)
+        reached = np.flatnonzero(headroom <= 1.0)
+        first = len(self.inputs_bad)
+        bad = np.concatenate([self.inputs_bad, ~np.isfinite(peaks)])
+        read_bad = [
+            upstream
+            for (_, upstream), peak in zip(self.reads.values(), reads, strict=True)
+            if not np.isfinite(peak)
+        ]
+        self.evaluations[scale] = Evaluation(
+            scale=scale,
+            loss=float(loss),
+            grads=grads,
+            finite=bool(np.isfinite(loss)) and all(np.isfinite(g).all() for g in grads),
+            peaks=np.where(bad, 0, np.concatenate([np.zeros(first), peaks])),
+            bad=bad,
+            limit=scale * float(np.min(headroom, initial=np.inf)),
+            first_overflow=self.sites[reached[0]] if reached.size else None,
+            read_bad=frozenset().union(*read_bad),
+        )
         return self.evaluations[scale]
 
     def origins(self, evaluation: Evaluation, values: Any) -> set[int]:
