@@ -186,10 +186,7 @@ def locate_overflow(
       >>> print(report.kind, report.op, report.leaves)
       forward exp ("['w']",)
     """
-    if any(
-        isinstance(leaf, jax.core.Tracer)
-        for leaf in jax.tree.leaves((params, args, kwargs, loss_scale))
-    ):
+    if program.tracer(params, args, kwargs, loss_scale) is not None:
         raise TypeError(
             "`locate_overflow` runs on the host, outside the train step, and got"
             " traced values (it was called inside `jax.jit`, `grad` or `vmap`)."

@@ -12,7 +12,6 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
@@ -24,6 +23,7 @@ from lossscale._src.diagnostics import holders
 from lossscale._src.diagnostics import optimizer_hazards
 from lossscale._src.diagnostics.engine.probe import Probe
 from lossscale._src.diagnostics.engine.program import Program
+from lossscale._src.diagnostics.engine.program import tracer
 from lossscale._src.diagnostics.findings import PreflightReport
 from lossscale._src.diagnostics.findings import ordered
 from lossscale._src.state import kinds
@@ -81,7 +81,14 @@ def preflight(
     problem = Program.build(
         loss_fn, params, args, {}, has_aux, "preflight(loss_fn, params, x, y)"
     )
-    _refuse_traced(params, args, loss_scale)
+    leaf = tracer(params, args, loss_scale)
+    if leaf is not None:
+        raise TypeError(
+            "`preflight` runs on the host, on concrete arrays: it runs the"
+            " program on them and reads the values back. It was given a traced"
+            f" value ({leaf!r}); call it outside `jax.jit`, `jax.grad` and other"
+            " transformations, once, before training."
+        )
     if _holds_a_transformation(optimizer):
         # An NNX optimizer or a train state: its `tx`, from its own loss scale.
         if loss_scale is None and lookup.find_all(optimizer):
@@ -132,14 +139,3 @@ def _start(loss_scale: Any, optimizer: Any, problem: Program) -> LossScale:
     if isinstance(loss_scale, LossScale | str) or validation.is_number(loss_scale):
         return spec.from_spec(loss_scale, "loss_scale")
     return lookup.find(loss_scale, "loss_scale")
-
-
-def _refuse_traced(*trees: Any) -> None:
-    for leaf in jax.tree.leaves(trees):
-        if isinstance(leaf, jax.core.Tracer):
-            raise TypeError(
-                "`preflight` runs on the host, on concrete arrays: it runs the"
-                " program on them and reads the values back. It was given a traced"
-                f" value ({leaf!r}); call it outside `jax.jit`, `jax.grad` and other"
-                " transformations, once, before training."
-            )

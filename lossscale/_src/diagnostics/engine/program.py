@@ -142,6 +142,12 @@ def trace(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         ) from None
 
 
+def tracer(*trees: Any) -> Any:
+    """The first `jax.core.Tracer` among the leaves of `trees`, or None."""
+    leaves = jax.tree.leaves(trees)
+    return next((x for x in leaves if isinstance(x, jax.core.Tracer)), None)
+
+
 def _rebuild(values: list[Any], positions: list[int], template: list, tree) -> Any:
     out = list(template)
     for i, value in zip(positions, values, strict=True):
