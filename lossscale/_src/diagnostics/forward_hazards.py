@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend import core
 
 from lossscale._src.diagnostics.engine import interpret
+from lossscale._src.diagnostics.engine.probe import F16
 from lossscale._src.diagnostics.engine.probe import Evaluation
 from lossscale._src.diagnostics.engine.probe import Probe
 from lossscale._src.diagnostics.engine.program import Program
@@ -22,7 +23,6 @@ from lossscale._src.diagnostics.engine.program import trace
 from lossscale._src.diagnostics.findings import Finding
 from lossscale._src.diagnostics.findings import listed
 
-F16 = np.dtype(np.float16)
 F16_MAX = float(np.finfo(np.float16).max)
 # More than this many float16 values summed in float16. Summing n values one by
 # one rounds n - 1 times: the error bound is (n - 1) * 2**-11 of the sum, 1/8 at 256.
@@ -157,7 +157,12 @@ def _jaxprs_in(params: dict) -> Any:
 def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[Finding]:
     """Where the loss's inf or NaN comes from; values near float16's largest."""
     peaks, bads = evaluation.peaks, evaluation.bad
-    origins = _origins(probe, evaluation)
+    # The values (inputs, or ops' outputs) the loss's inf or NaN comes from. An inf
+    # that the loss does not keep, such as a `-inf` attention mask that the softmax
+    # turns into zeros, is not blamed (`Probe.origins`).
+    origins: set[int] = set()
+    if not np.isfinite(evaluation.loss):
+        origins = probe.origins(evaluation, probe.loss_upstream)
     overflows: dict[str | None, list[str]] = {}
     close: dict[str | None, list[str]] = {}
     for op in probe.ops:
@@ -235,14 +240,3 @@ def _overflows(problem: Program, probe: Probe, evaluation: Evaluation) -> list[F
         if where not in overflows
     ]
     return findings
-
-
-def _origins(probe: Probe, evaluation: Evaluation) -> set[int]:
-    """The values (inputs, or ops' outputs) the loss's inf or NaN comes from.
-
-    An inf that the loss does not keep, such as a `-inf` attention mask that the
-    softmax turns into zeros, is not blamed (`Probe.origins`).
-    """
-    if np.isfinite(evaluation.loss):
-        return set()
-    return probe.origins(evaluation, probe.loss_upstream)
