@@ -54,15 +54,14 @@ def check(problem: Program, probe: Probe, start: LossScale) -> Gradients:
     reference = None
     if best is not None:
         reference = [np.asarray(g, np.float32) / best.scale for g in best.grads]
-    findings = _overflow(probe, first, start, scale)
+    findings = _overflow(probe, first, scale)
     if first.finite and best is not None and best.scale > first.scale:
         findings += _underflow(problem, probe, first, best, start, scale)
     tried = ", ".join(power(s) for s in sorted(probe.evaluations))
-    note = f"Gradients probed at scales {tried}."
     if "float16" not in probe.dtypes and "bfloat16" in probe.dtypes:
         if start.min_scale < start.max_scale:
             findings.append(_bfloat16_dynamic(start))
-    return Gradients(findings, scale, reference, note)
+    return Gradients(findings, scale, reference, f"Gradients probed at scales {tried}.")
 
 
 def _largest_safe_scale(probe: Probe, base: Evaluation) -> float | None:
@@ -81,9 +80,7 @@ def _largest_safe_scale(probe: Probe, base: Evaluation) -> float | None:
     return scale
 
 
-def _overflow(
-    probe: Probe, first: Evaluation, start: LossScale, scale: float | None
-) -> list[Finding]:
+def _overflow(probe: Probe, first: Evaluation, scale: float | None) -> list[Finding]:
     if first.finite or not np.isfinite(first.loss):
         return []
     if scale is None:
@@ -142,7 +139,6 @@ def _unfixable(probe: Probe) -> Finding:
         name = f"`{eqn.primitive.name}`" if eqn is not None else "a float16 op"
         made = f"{name} overflows float16 in the backward pass at every scale"
         fix = "Compute that op in float32."
-    where = interpret.source(eqn, calls=calls)[0] if eqn is not None else None
     return Finding(
         code="gradient-overflow",
         severity="error",
@@ -150,7 +146,7 @@ def _unfixable(probe: Probe) -> Finding:
             f"No loss scale gives finite gradients: they are not finite at every"
             f" scale tried, down to {power(lowest.scale)}. {made}."
         ),
-        where=where,
+        where=interpret.source(eqn, calls=calls)[0] if eqn is not None else None,
         fix=fix,
     )
 
