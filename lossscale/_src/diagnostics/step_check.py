@@ -92,7 +92,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     for _ in range(_TRIES):
         low = high / 2
         results = [_run(step, state, args, _at(current, s)) for s in (low, high)]
-        if not any(skipped for _, skipped in results):
+        if not any(skipped for _, skipped, _ in results):
             break
         high /= 2**4
     else:
@@ -103,15 +103,14 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
             " `lossscale.diagnostics.preflight` on its loss to see why."
         )
     before = _float_leaves(state)
-    (a, _), (b, _) = results
+    (a, _, _), (b, _, _) = results
     # At a scale of inf the gradients of a scaled loss are not finite: a step
     # that applies its update there differentiates the unscaled loss. With one
     # skip pending, an applied step resets `consecutive_skips` and a skip adds
     # one, whatever the kind: a step that returns this very state dropped the
     # state its update returned.
     infinite = _at(current, float("inf")).replace(consecutive_skips=1)
-    _, skipped_at_inf, returned = _run(step, state, args, infinite, new_state=True)
-    unscaled = not skipped_at_inf
+    _, skipped_at_inf, returned = _run(step, state, args, infinite)
     differ: step_findings.Differences = {}
     for path, old in before.items():
         change_a = np.asarray(a[path], np.float64) - np.asarray(old, np.float64)
@@ -134,7 +133,7 @@ def preflight_step(step: Callable[..., Any], state: Any, *args: Any) -> Prefligh
     if not differ:
         return PreflightReport((), None, notes)
     finding = step_findings.scale_dependent(
-        state, differ, len(before), low, high, unscaled
+        state, differ, len(before), low, high, not skipped_at_inf
     )
     return PreflightReport((finding,), None, notes)
 
@@ -162,10 +161,10 @@ def _at(state: LossScale, scale: float) -> LossScale:
     return state.replace(scale=jnp.asarray(scale, jnp.float32))
 
 
-def _run(step, state, args, loss_scale, new_state=False):
+def _run(step, state, args, loss_scale):
     """The step's new floating-point leaves with `loss_scale`; whether it skipped.
 
-    With `new_state`, also the loss-scale state the step returned.
+    And the loss-scale state the step returned.
     """
     given = holders.with_loss_scale(state, loss_scale)
     # Copies of every array: the step may donate its arguments, and these are
@@ -188,10 +187,7 @@ def _run(step, state, args, loss_scale, new_state=False):
             f" returned a {type(out).__name__} with other floating-point leaves."
         )
     returned = holders.values(lookup.find(out, "step(state, ...)"))
-    skipped = int(returned.skipped_steps) > before
-    if new_state:
-        return _float_leaves(out), skipped, returned
-    return _float_leaves(out), skipped
+    return _float_leaves(out), int(returned.skipped_steps) > before, returned
 
 
 def _refuse_donated(caller: Any) -> None:
