@@ -144,13 +144,13 @@ class Probe:
             def measure(eqn, inputs, outputs, halves, calls):
                 upstream = frozenset().union(*map(upstream_of, inputs))
                 measured = {}
-                if not _moves(eqn):  # a new magnitude: measure its float16 outputs
+                # A new magnitude (not a move): measure its float16 outputs.
+                if halves and not _moves(eqn):
                     for value in halves:
                         measured[id(value)] = frozenset([first + len(values)])
                         values.append(value)
-                    if halves:
-                        indices = tuple(i for (i,) in measured.values())
-                        self.ops.append(Op(eqn, calls, upstream, indices))
+                    indices = tuple(i for (i,) in measured.values())
+                    self.ops.append(Op(eqn, calls, upstream, indices))
                 for value in outputs:
                     lineage[id(value)] = (value, measured.get(id(value), upstream))
 
