@@ -183,8 +183,9 @@ class TrainState(train_state.TrainState):
 
     def _kept(self, name: str, new: Any, applied: jax.Array) -> Any:
         """`new` on an applied step, the field's old value on a skipped one."""
-        declared = {f.name: f for f in dataclasses.fields(self)}.get(name)
-        if declared is not None and not declared.metadata.get("pytree_node", True):
+        # `apply_gradients` checked that `name` is a field.
+        declared = {f.name: f for f in dataclasses.fields(self)}[name]
+        if not declared.metadata.get("pytree_node", True):
             return new  # static, as `apply_fn`: the same on every step
         old = getattr(self, name)
         if jax.tree.structure(new) != jax.tree.structure(old):

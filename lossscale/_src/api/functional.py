@@ -168,8 +168,7 @@ def all_finite(tree: Any, axis_name: validation.AxisName | None = None) -> jax.A
 
 def _refuse_swapped(first: Any, name: str, call: str) -> None:
     """Raises `TypeError` if the first argument, `name`, holds a loss-scale state."""
-    found = lookup.find_all(first)
-    if found:
+    if found := lookup.find_all(first):
         where = jax.tree_util.keystr(found[0][0]) or "<root>"
         raise TypeError(
             f"`{name}` holds a loss-scale state (at {where}): the arguments are"

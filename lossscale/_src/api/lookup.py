@@ -54,9 +54,6 @@ def find(value: Any, name: str) -> LossScale:
     Warns when a dynamic state is a constant of a function being traced (see
     `_warn_if_closed_over`).
     """
-    if isinstance(value, LossScale):
-        _warn_if_closed_over(value, name)
-        return value
     if isinstance(value, optax.GradientTransformation):
         raise TypeError(
             f"`{name}` is an optax transformation (the optimizer), not its state."
@@ -145,11 +142,10 @@ def scale_to_evaluate_at(value: Any, name: str, owner: str) -> Any:
 
 def find_all(tree: Any) -> list[tuple[Any, LossScale]]:
     """The (key path, state) pairs of every loss-scale state inside `tree`."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda node: isinstance(node, LossScale | optax.MultiStepsState)
-    )
     found = []
-    for path, leaf in leaves:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda node: isinstance(node, LossScale | optax.MultiStepsState)
+    ):
         if isinstance(leaf, optax.MultiStepsState):
             inner = find_all(leaf.inner_opt_state)
             if inner:
@@ -163,8 +159,7 @@ def find_all(tree: Any) -> list[tuple[Any, LossScale]]:
 
 def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:
     """Raises `ValueError` if `opt_state` (of the argument `name`) holds a state."""
-    found = find_all(opt_state)
-    if found:
+    if found := find_all(opt_state):
         where = jax.tree_util.keystr(found[0][0]) or "<root>"
         raise ValueError(
             f"`{name}` already holds a loss-scale state (at {where}): the optimizer"
@@ -176,8 +171,7 @@ def refuse_wrapped(opt_state: Any, name: str, owner: str) -> None:
 
 def refuse_in_params(params: Any, owner: str) -> None:
     """Raises `TypeError` if `params` (an argument of `owner`) holds a state."""
-    found = find_all(params)
-    if found:
+    if found := find_all(params):
         where = jax.tree_util.keystr(found[0][0]) or "<root>"
         raise TypeError(
             f"`params` of {owner} holds a loss-scale state (at {where}): `params`"

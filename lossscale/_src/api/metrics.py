@@ -63,11 +63,10 @@ def grad_stats(grads: Any, loss_scale: Any = None) -> dict[str, Any]:
     """
     validation.refuse_sparse(grads, "grads")
     scale = _scale_to_evaluate_at(loss_scale)
-    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
     per_leaf = {}
     # An empty leaf's counts change no total: the figures of a tree with no leaves.
     totals = [_leaf_counts(jnp.zeros([0], jnp.float32), scale)]
-    for path, leaf in paths_and_leaves:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
         leaf = jnp.asarray(leaf)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(

@@ -50,8 +50,7 @@ class _MetricsHooks:
 
     def on_train_step_end(self, train_ctx: Any, train_step: int, train_loss: Any):
         figures = self.after.pop(train_step, None) or _figures(train_ctx)
-        for step in [s for s in self.after if s < train_step]:
-            del self.after[step]
+        self.after = {s: f for s, f in self.after.items() if s >= train_step}
         for name in METRICS:
             train_ctx.metrics_logger.log(
                 train_ctx.metrics_prefix,

@@ -224,15 +224,11 @@ def _accumulating_inside(ours: Transformation, k: Any) -> _Accumulating:
     def update_fn(updates, state, params=None, **extra_args):
         extra_args.pop(_FROM_THE_STEP, None)
         wrapped = state.inner_opt_state
-        nested = wrapper.WrapState(
-            wrapped.loss_scale,
-            state._replace(inner_opt_state=wrapped.inner_state),
-            wrapped.pending_overwrite,
+        nested = wrapped._replace(
+            inner_state=state._replace(inner_opt_state=wrapped.inner_state)
         )
         updates, new = inside.update(updates, nested, params, **extra_args)
-        back = wrapper.WrapState(
-            new.loss_scale, new.inner_state.inner_opt_state, new.pending_overwrite
-        )
+        back = new._replace(inner_state=new.inner_state.inner_opt_state)
         return updates, new.inner_state._replace(inner_opt_state=back)
 
     return _Accumulating(optax.MultiSteps(ours, k).init, update_fn)

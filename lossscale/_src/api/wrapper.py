@@ -146,9 +146,8 @@ def wrap(
             if given.fp8_old is None or pending is None:
                 written = fp8.written(given.fp8_new, given.fp8_old)
             else:  # accumulating: written when `optax.MultiSteps` emits
-                stepped = inner_state.mini_step == 0
                 written, pending = fp8.accumulated(
-                    pending, given.fp8_new, given.fp8_old, stepped
+                    pending, given.fp8_new, given.fp8_old, inner_state.mini_step == 0
                 )
             return step.OptimizerOutput(updates, (inner_state, pending), written)
 
@@ -160,8 +159,7 @@ def wrap(
             (state.inner_state, state.pending_overwrite),
             apply_updates=False,
         )
-        inner_state, pending = result.carry
-        return result.output, WrapState(result.loss_scale, inner_state, pending)
+        return result.output, WrapState(result.loss_scale, *result.carry)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
