@@ -20,6 +20,7 @@ import numpy as np
 
 from lossscale._src import deprecation
 from lossscale._src.api import lookup
+from lossscale._src.compat import checkpoint_0_3_0
 from lossscale._src.state import kind_fields
 from lossscale._src.state import kind_validation
 from lossscale._src.state.kind import ADDED_AFTER_0_3_0
@@ -180,12 +181,8 @@ def from_checkpoint_0_2(
             value = packed[..., offset : offset + size]
             values[field] = value.reshape(batch + specs[field].shape)
             offset += size
-    for name in NOT_IN_0_2:  # not in a 0.2 checkpoint: its default, stacked alike
-        default = jnp.asarray(getattr(state, name))
-        values[name] = jnp.broadcast_to(default, (batch or ()) + default.shape)
-    names = kind_fields.leaf_names(type(state))
-    leaves = [values[n].astype(specs[n].dtype) for n in names]
-    return jax.tree.unflatten(jax.tree.structure(state), leaves)
+    # The fields 0.2 did not have (`NOT_IN_0_2`) take their defaults, stacked alike.
+    return checkpoint_0_3_0.from_saved(state, values)
 
 
 def is_packed(value: Any) -> bool:
