@@ -33,11 +33,7 @@ def warn(
         _PACKAGE + os.sep
     ):
         level, frame = level + 1, frame.f_back
-    warnings.warn(
-        f"{message} ({note})",
-        DeprecationWarning,
-        stacklevel=level,
-    )
+    warnings.warn(f"{message} ({note})", DeprecationWarning, stacklevel=level)
 
 
 def accept_0_2_arguments(cls: type, renamed: dict[str, str], order: tuple):

@@ -174,8 +174,7 @@ def validate_loss(loss: Any, name: str = "loss") -> jax.Array:
 def validate_gradients(grads: Any, params: Any = None, name: str = "grads") -> None:
     """Raises for sparse, non-float or mismatched gradient trees, naming the leaf."""
     refuse_sparse(grads, name)
-    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(grads)
-    for path, leaf in paths_and_leaves:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
             hint = (
@@ -212,10 +211,9 @@ def refuse_sparse(tree: Any, name: str) -> None:
     sparse = sys.modules.get("jax.experimental.sparse")
     if sparse is None:  # nobody imported it, so no leaf can be sparse
         return
-    found, _ = jax.tree_util.tree_flatten_with_path(
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
         tree, is_leaf=lambda x: isinstance(x, sparse.JAXSparse)
-    )
-    for path, leaf in found:
+    ):
         if isinstance(leaf, sparse.JAXSparse):
             raise TypeError(
                 f"`{name}` holds a sparse `{type(leaf).__name__}` at {_where(path)};"

@@ -120,7 +120,11 @@ def saved_fields(kind: type[LossScale]) -> list[str]:
 
 
 def from_saved(node: LossScale, value: Mapping[str, Any]) -> LossScale:
-    """A state of `node`'s kind and settings from the fields 0.3.0 saved of it."""
+    """A state of `node`'s kind and settings from the fields 0.3.0 (or 0.2) saved of it.
+
+    A field `value` lacks takes its default, with the leading shape of a state
+    stacked for `pmap`.
+    """
     specs = kind_fields.specs(type(node))
     batch = jnp.shape(value["skipped_steps"])  # a state stacked for `pmap`
     leaves = [

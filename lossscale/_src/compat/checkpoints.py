@@ -20,13 +20,14 @@ import numpy as np
 
 from lossscale._src import deprecation
 from lossscale._src.api import lookup
+from lossscale._src.compat import checkpoint_0_3_0
 from lossscale._src.state import kind_fields
 from lossscale._src.state import kind_validation
 from lossscale._src.state.kind import ADDED_AFTER_0_3_0
 from lossscale._src.state.kind import COUNTERS
 from lossscale._src.state.kind import LossScale
+from lossscale._src.state.registry import KINDS
 from lossscale._src.state.registry import known_kinds
-from lossscale._src.state.registry import registered
 
 
 def check_config(saved: dict[str, Any], loss_scale: Any) -> None:
@@ -162,6 +163,7 @@ def from_checkpoint_0_2(
     layout = _layout(_kind(config))
     _validate_arrays(arrays, layout, config["kind"], where)
     state = LossScale.from_config(config)
+    specs = kind_fields.specs(type(state))
     values = {}
     batch: tuple[int, ...] | None = None
     for name, (_dtype, slots) in layout.items():
@@ -176,17 +178,11 @@ def from_checkpoint_0_2(
         batch = packed.shape[:-1]  # a state stacked for `pmap` has some
         offset = 0
         for field, size in slots:
-            shape = kind_fields.specs(type(state))[field].shape
             value = packed[..., offset : offset + size]
-            values[field] = value.reshape(packed.shape[:-1] + shape)
+            values[field] = value.reshape(batch + specs[field].shape)
             offset += size
-    specs = kind_fields.specs(type(state))
-    for name in NOT_IN_0_2:  # not in a 0.2 checkpoint: its default, stacked alike
-        default = jnp.asarray(getattr(state, name))
-        values[name] = jnp.broadcast_to(default, (batch or ()) + default.shape)
-    names = kind_fields.leaf_names(type(state))
-    leaves = [values[n].astype(specs[n].dtype) for n in names]
-    return jax.tree.unflatten(jax.tree.structure(state), leaves)
+    # The fields 0.2 did not have (`NOT_IN_0_2`) take their defaults, stacked alike.
+    return checkpoint_0_3_0.from_saved(state, values)
 
 
 def is_packed(value: Any) -> bool:
@@ -206,14 +202,12 @@ def _validate_arrays(arrays: Any, layout: dict, kind: str, where: str) -> None:
         )
     if not isinstance(arrays, Mapping) or set(arrays) != set(layout):
         got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
-        paths, _ = jax.tree_util.tree_flatten_with_path(
-            arrays, is_leaf=lambda node: is_packed(node) and set(node) == set(layout)
-        )
-        inside = [
-            jax.tree_util.keystr(path)
-            for path, node in paths
-            if path and is_packed(node) and set(node) == set(layout)
-        ]
+
+        def found(node: Any) -> bool:  # `layout`'s arrays, deeper inside `arrays`
+            return is_packed(node) and set(node) == set(layout)
+
+        paths, _ = jax.tree_util.tree_flatten_with_path(arrays, is_leaf=found)
+        inside = [jax.tree_util.keystr(p) for p, node in paths if p and found(node)]
         there = f" They are at `{where}{inside[0]}`: pass that." if inside else ""
         raise ValueError(
             f"`{where}` must hold the 0.2 arrays {sorted(layout)} of a {kind!r}"
@@ -239,7 +233,7 @@ def _upgraded(config: Any) -> dict[str, Any]:
 
 
 def _kind(config: dict[str, Any]) -> type[LossScale]:
-    kind = registered(config["kind"])
+    kind = KINDS.get(config["kind"])  # a string: `_upgraded` checked it
     if kind is None:
         raise ValueError(
             "`config` must be a loss-scale config saved by 0.2, whose 'kind' is one"

@@ -60,7 +60,7 @@ def module_attribute(name: str, warn: bool = True) -> Any:
         message = f"`lossscale.{name}` is `{module}.{new}`"
     else:
         module, instead = RETIRED[name]
-        module, new, message = module, name, f"`lossscale.{name}` is `{instead}`"
+        new, message = name, f"`lossscale.{name}` is `{instead}`"
     if warn:
         deprecation.warn(message, note=_NOTE)
     return getattr(importlib.import_module(module), new)

@@ -128,7 +128,9 @@ def upgrade(restored: Any, target: Any) -> Any:
     """
     states = checkpoint_0_3_0.is_state
     if not any(map(states, jax.tree.leaves(target, is_leaf=states))):
-        swapped = any(map(_is_loss_scale, jax.tree.leaves(restored, is_leaf=states)))
+        swapped = any(
+            isinstance(x, LossScale) for x in jax.tree.leaves(restored, is_leaf=states)
+        )
         raise ValueError(
             f"`target` (a {type(target).__name__}) holds no loss-scale state"
             + (
@@ -167,7 +169,3 @@ def upgrade(restored: Any, target: Any) -> Any:
         return checkpoint_0_3_0.from_saved(node, value)
 
     return jax.tree_util.tree_map_with_path(rebuilt, target, restored, is_leaf=states)
-
-
-def _is_loss_scale(node: Any) -> bool:
-    return isinstance(node, LossScale)

@@ -264,12 +264,11 @@ def validate_settings(settings: dict[str, Any], names: tuple, kind: str) -> None
     """Raises unless a config of kind name `kind` has exactly the settings `names`."""
     expected = set(names)
     if set(settings) != expected:
-        unknown = sorted(set(settings) - expected, key=str)
         hints = [
             f"{key!r} (did you mean {close[0]!r}?)"
             if (close := difflib.get_close_matches(str(key), expected, n=1))
             else repr(key)
-            for key in unknown
+            for key in sorted(set(settings) - expected, key=str)
         ]
         raise ValueError(
             f"`config` of kind {kind!r} must have the settings {sorted(expected)},"

@@ -215,9 +215,7 @@ class DynamicLossScale(LossScale, kind="dynamic"):
             raise ValueError(
                 f"`{owner}`: `min_scale` ({low!r}) must be <= `max_scale` ({high!r})."
             )
-        scale = self.scale
-        if scale is None:
-            scale = min(max(2.0**15, low), high)
+        scale = min(max(2.0**15, low), high) if self.scale is None else self.scale
         if _readable_array(scale):  # a state stacked for `pmap` has many
             values = np.asarray(scale)
             if not (
@@ -268,9 +266,7 @@ deprecation.accept_0_2_arguments(StaticLossScale, {"scale": "value"}, ("value",)
 
 def _readable_array(value: Any) -> bool:
     """Whether `value` is an array whose values can be read on the host."""
-    if isinstance(value, np.ndarray | np.generic):
-        return True
-    return (
+    return isinstance(value, np.ndarray | np.generic) or (
         isinstance(value, jax.Array)
         and not isinstance(value, jax.core.Tracer)
         and value.is_fully_addressable

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 # A kind defined in a function without `kind=` maps to None: every call makes
 # another class of the same name, so the name does not say which to build.
 KINDS: dict[str, type | None] = {}
@@ -31,8 +29,3 @@ def register(cls: type, kind: str | None) -> str:
 def known_kinds() -> list[str]:
     """The kind names `from_config` can build."""
     return sorted(name for name, kind in KINDS.items() if kind is not None)
-
-
-def registered(name: Any) -> type | None:
-    """The kind registered under the kind name `name`, or None."""
-    return KINDS.get(name) if isinstance(name, str) else None

@@ -96,21 +96,11 @@ def next_state(
         for name in rule_fields(type(loss_scale))
     }
     counters = dict(
-        skipped_steps=jnp.where(
-            applied,
-            loss_scale.skipped_steps,
-            optax.safe_increment(loss_scale.skipped_steps),
+        skipped_steps=_counted(loss_scale.skipped_steps, applied),
+        consecutive_skips=_counted(
+            loss_scale.consecutive_skips, applied, jnp.zeros([], jnp.int32)
         ),
-        consecutive_skips=jnp.where(
-            applied,
-            jnp.zeros([], jnp.int32),
-            optax.safe_increment(loss_scale.consecutive_skips),
-        ),
-        forward_overflows=jnp.where(
-            loss_finite,
-            loss_scale.forward_overflows,
-            optax.safe_increment(loss_scale.forward_overflows),
-        ),
+        forward_overflows=_counted(loss_scale.forward_overflows, loss_finite),
         # `~(scale > min_scale)`, not `scale <= min_scale`: a NaN scale is stuck too.
         stuck=backward_overflow & ~(loss_scale.scale > loss_scale.min_scale),
         overflow_scale=jnp.where(
@@ -133,6 +123,14 @@ def was_applied(loss_scale: LossScale) -> jax.Array:
     """
     # `jnp.asarray` unwraps containers such as the variables of `nnx.Optimizer`.
     return jnp.asarray(loss_scale.consecutive_skips) == jnp.zeros([], jnp.int32)
+
+
+def _counted(
+    count: jax.Array, unless: jax.Array, reset: jax.Array | None = None
+) -> jax.Array:
+    """`count` plus one (saturating); where `unless` holds, `reset` or `count` as is."""
+    kept = count if reset is None else reset
+    return jnp.where(unless, kept, optax.safe_increment(count))
 
 
 def _ruled(loss_scale: LossScale, grads_finite: jax.Array) -> LossScale:
