@@ -54,6 +54,9 @@ def find(value: Any, name: str) -> LossScale:
     Warns when a dynamic state is a constant of a function being traced (see
     `_warn_if_closed_over`).
     """
+    if isinstance(value, LossScale):  # the common case, without a tree walk
+        _warn_if_closed_over(value, name)
+        return value
     if isinstance(value, optax.GradientTransformation):
         raise TypeError(
             f"`{name}` is an optax transformation (the optimizer), not its state."
